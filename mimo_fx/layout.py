@@ -1,0 +1,294 @@
+"""Layout: how a logical tensor with named dims is spread over a grid.
+
+The pattern is einops-style. It lists the local tensor's dims in order; a parenthesised
+group is one local dim made of several factors, outermost first. Grid axes inside a
+group shard the dim that follows them (``(dp b)``: b cut into DP contiguous blocks,
+block i on dp index i; ``(dp cp b)``: b cut into DP*CP blocks, dp outermost). A group
+may flatten several dims: ``(dp b s) h`` is a 2-D local tensor whose first dim is the
+local batch times the sequence. Grid axes absent from the pattern replicate the tensor.
+
+>>> from mimo_fx import Grid
+>>> g = Grid(tp=2, cp=2, dp=2)
+>>> layout = Layout(g, "(dp b) (cp s) h", zigzag=("cp",))
+>>> str(layout)
+'(dp b) (cp s) h'
+>>> layout
+Layout(Grid(tp=2, cp=2, dp=2), '(dp b) (cp s) h', zigzag=('cp',))
+>>> layout.dims, layout.replicated
+(('b', 's', 'h'), ('tp',))
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+
+from .errors import MimoFxError
+from .grid import Grid
+
+__all__ = ["Layout", "Factor"]
+
+# Names that users use for grid axes; seeing one in a pattern whose grid lacks it is
+# almost certainly a typo, not a tensor dim.
+_AXIS_LIKE = ("tp", "cp", "pp", "dp", "ep", "sp", "etp", "edp")
+_TOKEN = re.compile(r"\s*(\(|\)|[A-Za-z_][A-Za-z0-9_]*|\S)")
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One dim inside a local dim: ``dim`` sharded by ``axes`` (outermost first)."""
+
+    dim: str
+    axes: tuple[str, ...]
+
+
+@dataclass(frozen=True, init=False)
+class Layout:
+    """A named-dim pattern over a grid, with partial, pinned and zigzag axes.
+
+    Args:
+        grid: the ranks holding the tensor.
+        pattern: e.g. ``"(dp b) s (tp h)"``.
+        partial: axes over which local values are partial sums (not in the pattern).
+        at: pin to one index of axes absent from the pattern, e.g. ``{"pp": -1}``;
+            ranks at other indices hold nothing.
+        zigzag: axes that shard their dim load-balanced for causal attention: the dim
+            is cut into 2*N chunks and index i holds chunks i and 2*N-1-i.
+    """
+
+    grid: Grid
+    pattern: str
+    partial: tuple[str, ...]
+    at: tuple[tuple[str, int], ...]
+    zigzag: tuple[str, ...]
+
+    def __init__(
+        self,
+        grid: Grid,
+        pattern: str,
+        *,
+        partial: tuple[str, ...] | list[str] | str = (),
+        at: dict[str, int] | None = None,
+        zigzag: tuple[str, ...] | list[str] | str = (),
+    ) -> None:
+        if not isinstance(grid, Grid):
+            raise MimoFxError(f"Layout needs a Grid as first argument, got {grid!r}")
+        if not isinstance(pattern, str):
+            raise MimoFxError(f"Layout pattern must be a string, got {pattern!r}")
+        partial = (partial,) if isinstance(partial, str) else tuple(partial)
+        zigzag = (zigzag,) if isinstance(zigzag, str) else tuple(zigzag)
+        groups = _parse(pattern, grid)
+        object.__setattr__(self, "grid", grid)
+        object.__setattr__(self, "pattern", " ".join(_format_group(g) for g in groups))
+        object.__setattr__(self, "partial", partial)
+        object.__setattr__(self, "zigzag", zigzag)
+        object.__setattr__(self, "at", _normalise_at(at, grid, self.pattern))
+        object.__setattr__(self, "_groups", groups)
+        self._check_axes_usage()
+
+    # -- structure -----------------------------------------------------------------------
+    @property
+    def groups(self) -> tuple[tuple[Factor, ...], ...]:
+        """The local dims, each a tuple of factors (outermost first)."""
+        return self._groups  # type: ignore[attr-defined]
+
+    @cached_property
+    def dims(self) -> tuple[str, ...]:
+        """The logical dims, in pattern order."""
+        return tuple(f.dim for g in self.groups for f in g)
+
+    @cached_property
+    def sharding(self) -> dict[str, tuple[str, ...]]:
+        """``{dim: axes that shard it}`` (empty tuple for unsharded dims)."""
+        return {f.dim: f.axes for g in self.groups for f in g}
+
+    @cached_property
+    def sharded_axes(self) -> tuple[str, ...]:
+        return tuple(a for g in self.groups for f in g for a in f.axes)
+
+    @cached_property
+    def replicated(self) -> tuple[str, ...]:
+        """Axes over which every rank holds the same values."""
+        used = set(self.sharded_axes) | set(self.partial) | {a for a, _ in self.at}
+        return tuple(a for a in self.grid.names if a not in used)
+
+    def holds(self, rank: int) -> bool:
+        """Whether ``rank`` holds a piece (it is in the grid and on the pinned index)."""
+        if rank not in self.grid:
+            return False
+        coord = self.grid.coord(rank)
+        return all(coord[a] == i for a, i in self.at)
+
+    @cached_property
+    def holders(self) -> tuple[int, ...]:
+        return tuple(r for r in self.grid.ranks if self.holds(r))
+
+    # -- validation ----------------------------------------------------------------------
+    def _check_axes_usage(self) -> None:
+        names = self.grid.names
+        for kind, axes in (("partial", self.partial), ("zigzag", self.zigzag)):
+            for axis in axes:
+                if axis not in names:
+                    raise self._error(
+                        f"{kind}= names unknown axis {axis!r}; the grid has axes {names}"
+                    )
+            if len(set(axes)) != len(axes):
+                raise self._error(f"{kind}={axes} names an axis twice")
+        for axis in self.partial:
+            if axis in self.sharded_axes:
+                raise self._error(
+                    f"axis {axis!r} both shards a dim and is partial; a partial axis holds "
+                    f"partial sums of the same region, so remove it from the pattern or "
+                    f"from partial="
+                )
+            if axis in dict(self.at):
+                raise self._error(f"axis {axis!r} is both pinned (at=) and partial")
+        for axis in self.zigzag:
+            owner = [f for g in self.groups for f in g if axis in f.axes]
+            if not owner:
+                raise self._error(
+                    f"zigzag axis {axis!r} does not shard any dim; write it in a group, "
+                    f"e.g. '(cp s)'"
+                )
+            if owner[0].axes != (axis,):
+                raise self._error(
+                    f"zigzag axis {axis!r} must be the only axis sharding "
+                    f"{owner[0].dim!r}, found {owner[0].axes}"
+                )
+        for axis, _ in self.at:
+            if axis in self.sharded_axes:
+                raise self._error(
+                    f"axis {axis!r} is pinned with at= but also shards a dim; pin only "
+                    f"axes absent from the pattern (e.g. pp)"
+                )
+
+    def _error(self, message: str) -> MimoFxError:
+        return MimoFxError(f"in layout {self.pattern!r} on {self.grid!r}: {message}")
+
+    # -- printing ------------------------------------------------------------------------
+    def __str__(self) -> str:
+        return self.pattern
+
+    def describe(self) -> str:
+        """The pattern plus its annotations, for plan printouts."""
+        extra = []
+        if self.partial:
+            extra.append("partial " + ",".join(self.partial))
+        if self.zigzag:
+            extra.append("zigzag " + ",".join(self.zigzag))
+        if self.at:
+            extra.append("at " + ",".join(f"{a}={i}" for a, i in self.at))
+        return self.pattern + (f" [{'; '.join(extra)}]" if extra else "")
+
+    def __repr__(self) -> str:
+        args = [repr(self.grid), repr(self.pattern)]
+        if self.partial:
+            args.append(f"partial={self.partial!r}")
+        if self.at:
+            args.append(f"at={dict(self.at)!r}")
+        if self.zigzag:
+            args.append(f"zigzag={self.zigzag!r}")
+        return f"Layout({', '.join(args)})"
+
+    def __reduce__(self):
+        return (_make_layout, (self.grid, self.pattern, self.partial, dict(self.at),
+                               self.zigzag))
+
+    # dataclass eq/hash use the declared fields only; _groups follows from them.
+
+
+def _make_layout(grid, pattern, partial, at, zigzag) -> Layout:
+    return Layout(grid, pattern, partial=partial, at=at, zigzag=zigzag)
+
+
+# -- parsing ---------------------------------------------------------------------------
+def _parse(pattern: str, grid: Grid) -> tuple[tuple[Factor, ...], ...]:
+    """Parse a pattern into groups of factors; every mistake names the token and a fix."""
+
+    def fail(message: str) -> MimoFxError:
+        return MimoFxError(f"in layout pattern {pattern!r} on {grid!r}: {message}")
+
+    raw_groups: list[list[str]] = []
+    current: list[str] | None = None
+    for match in _TOKEN.finditer(pattern):
+        token = match.group(1)
+        if token == "(":
+            if current is not None:
+                raise fail("nested parentheses '(... (' are not allowed; a group lists the "
+                           "factors of one dim, e.g. '(dp b s)'")
+            current = []
+        elif token == ")":
+            if current is None:
+                raise fail("unbalanced ')': no group is open")
+            if not current:
+                raise fail("empty group '()'; a group needs at least one dim")
+            raw_groups.append(current)
+            current = None
+        elif token.isidentifier():
+            if current is None:
+                raw_groups.append([token])
+            else:
+                current.append(token)
+        else:
+            raise fail(f"unexpected character {token!r}; patterns hold names and parentheses")
+    if current is not None:
+        raise fail("unbalanced '(': a group is not closed; add ')'")
+    if not raw_groups:
+        raise fail("the pattern names no dims")
+    seen_axes: set[str] = set()
+    seen_dims: set[str] = set()
+    groups = []
+    for raw in raw_groups:
+        groups.append(_parse_group(raw, grid, seen_axes, seen_dims, fail))
+    return tuple(groups)
+
+
+def _parse_group(raw, grid, seen_axes, seen_dims, fail) -> tuple[Factor, ...]:
+    factors, pending = [], []
+    for token in raw:
+        if token in grid.names:
+            if token in seen_axes:
+                raise fail(f"axis {token!r} is used twice; an axis shards one dim only")
+            seen_axes.add(token)
+            if len(raw) == 1:
+                raise fail(f"axis {token!r} stands alone and shards nothing; put it in a "
+                           f"group before the dim it shards, e.g. '({token} h)'")
+            pending.append(token)
+            continue
+        if token in _AXIS_LIKE:
+            raise fail(f"{token!r} looks like a grid axis but the grid has axes {grid.names}; "
+                       f"add it to the Grid or rename the dim")
+        if token in seen_dims:
+            raise fail(f"dim {token!r} is named twice; every dim appears once")
+        seen_dims.add(token)
+        factors.append(Factor(token, tuple(pending)))
+        pending = []
+    if pending:
+        raise fail(f"axis {pending[-1]!r} ends group '({' '.join(raw)})' and shards nothing; "
+                   f"put axes before the dim they shard, e.g. '({pending[-1]} {raw[0]})'")
+    return tuple(factors)
+
+
+def _format_group(group: tuple[Factor, ...]) -> str:
+    tokens = [t for f in group for t in (*f.axes, f.dim)]
+    return tokens[0] if len(tokens) == 1 else f"({' '.join(tokens)})"
+
+
+def _normalise_at(at, grid: Grid, pattern: str) -> tuple[tuple[str, int], ...]:
+    if at is None:
+        return ()
+    if not isinstance(at, dict):
+        raise MimoFxError(f"in layout {pattern!r}: at= must be a dict like {{'pp': -1}}, "
+                          f"got {at!r}")
+    out = []
+    for axis, index in at.items():
+        if axis not in grid.names:
+            raise MimoFxError(f"in layout {pattern!r} on {grid!r}: at= names unknown axis "
+                              f"{axis!r}; the grid has axes {grid.names}")
+        size = grid.axis_size(axis)
+        if isinstance(index, bool) or not isinstance(index, int) or not -size <= index < size:
+            raise MimoFxError(f"in layout {pattern!r} on {grid!r}: at={{{axis!r}: {index!r}}} "
+                              f"is out of range; valid indices are {-size}..{size - 1}")
+        out.append((axis, index % size))
+    return tuple(sorted(out))

@@ -1,0 +1,143 @@
+"""Local tensors <-> canonical region tensors, and size inference.
+
+A rank's local tensor follows its layout's pattern (groups flattened, dims in pattern
+order). Executors work on the *canonical* view: one tensor axis per logical dim, in the
+plan's dim order, holding the rank's segments of each dim back to back. These helpers
+convert between the two with views and permutes only (no copies unless the pattern
+permutes dims), and say where a global box sits inside the canonical view.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import torch
+
+from .errors import MimoFxError
+from .layout import Layout
+from .regions import Box, Tiling, split_bounds
+
+__all__ = ["to_canonical", "from_canonical", "local_shape", "box_slices", "infer_sizes"]
+
+
+def _extents(tiling: Tiling, rank: int) -> dict[str, int]:
+    return {d: sum(b - a for a, b in seg) for d, seg in zip(tiling.dims, tiling.segments(rank))}
+
+
+def local_shape(layout: Layout, tiling: Tiling, rank: int) -> tuple[int, ...]:
+    """The shape of ``rank``'s local tensor under ``layout``."""
+    ext = _extents(tiling, rank)
+    return tuple(prod(ext[f.dim] for f in group) for group in layout.groups)
+
+
+def _check_shape(local: torch.Tensor, layout: Layout, tiling: Tiling, rank: int) -> None:
+    if local.dim() != len(layout.groups):
+        raise MimoFxError(
+            f"rank {rank}: local tensor has {local.dim()} dims {tuple(local.shape)} but layout "
+            f"pattern {layout.pattern!r} has {len(layout.groups)} local dims; give one tensor "
+            f"dim per pattern group"
+        )
+    expected = local_shape(layout, tiling, rank)
+    if tuple(local.shape) != expected:
+        sizes = {d: t.size for d, t in zip(tiling.dims, tiling.tilings)}
+        raise MimoFxError(
+            f"rank {rank}: local tensor has shape {tuple(local.shape)} but layout "
+            f"{layout.describe()!r} with global sizes {sizes} "
+            f"gives it shape {expected}; check the layout, the sizes, or the tensor"
+        )
+
+
+def to_canonical(local: torch.Tensor, layout: Layout, tiling: Tiling, rank: int) -> torch.Tensor:
+    """View ``rank``'s local tensor with one axis per dim, in ``tiling.dims`` order."""
+    _check_shape(local, layout, tiling, rank)
+    ext = _extents(tiling, rank)
+    expanded = local.reshape([ext[d] for d in layout.dims])
+    order = [layout.dims.index(d) for d in tiling.dims]
+    return expanded.permute(order)
+
+
+def from_canonical(canon: torch.Tensor, layout: Layout, dims: tuple[str, ...]) -> torch.Tensor:
+    """Inverse of :func:`to_canonical`: permute to pattern order and flatten groups."""
+    expanded = canon.permute([dims.index(d) for d in layout.dims])
+    ext = dict(zip(layout.dims, expanded.shape))
+    return expanded.reshape([prod(ext[f.dim] for f in g) for g in layout.groups])
+
+
+def box_slices(segments: tuple[tuple[tuple[int, int], ...], ...], box: Box) -> tuple[slice, ...]:
+    """Where the global ``box`` sits in a canonical view holding ``segments``.
+
+    The box must lie inside one segment per dim (plans guarantee it).
+    """
+    out = []
+    for segs, (lo, hi) in zip(segments, box):
+        offset = 0
+        for a, b in segs:
+            if a <= lo and hi <= b:
+                out.append(slice(offset + lo - a, offset + hi - a))
+                break
+            offset += b - a
+        else:
+            raise AssertionError(f"box {box} not inside segments {segments}")
+    return tuple(out)
+
+
+def infer_sizes(
+    layout: Layout, shapes: dict[int, tuple[int, ...]], given: dict[str, int]
+) -> dict[str, int]:
+    """Global dim sizes from local shapes, ``given`` first.
+
+    With every shard's shape at hand (the reference backend) uneven splits are inferred
+    exactly; from one rank's shape a sharded dim is taken as evenly split, so pass uneven
+    sizes explicitly. A group flattening several dims needs all but one of them given.
+    """
+    sizes = {d: n for d, n in given.items() if d in layout.dims}
+    for gi, group in enumerate(layout.groups):
+        unknown = [f for f in group if f.dim not in sizes]
+        if not unknown:
+            continue
+        if len(unknown) > 1:
+            names = [f.dim for f in unknown]
+            raise MimoFxError(
+                f"layout {layout.pattern!r}: local dim {gi} flattens {names}, so their global "
+                f"sizes cannot be told apart from the local shape; pass all but one of them "
+                f"as keyword sizes, e.g. {names[-1]}=..."
+            )
+        factor = unknown[0]
+        per_shard: dict[tuple[int, ...], int] = {}
+        for rank, shape in shapes.items():
+            if len(shape) != len(layout.groups):
+                raise MimoFxError(
+                    f"rank {rank}: local tensor has {len(shape)} dims but layout "
+                    f"{layout.pattern!r} has {len(layout.groups)}; one local dim per group"
+                )
+            others = prod(_local_extent(layout, f, sizes[f.dim], rank)
+                          for f in group if f is not factor)
+            if others == 0:
+                continue
+            coord = layout.grid.coord(rank)
+            key = tuple(coord[a] for a in factor.axes)
+            per_shard[key] = shape[gi] // others
+        parts = prod(layout.grid.axis_size(a) for a in factor.axes)
+        if len(per_shard) == parts:
+            sizes[factor.dim] = sum(per_shard.values())
+        elif per_shard:
+            sizes[factor.dim] = max(per_shard.values()) * parts
+        else:
+            raise MimoFxError(f"cannot infer the size of {factor.dim!r} in "
+                              f"{layout.pattern!r}; pass {factor.dim}=...")
+    return sizes
+
+
+def _local_extent(layout: Layout, factor, size: int, rank: int) -> int:
+    if not factor.axes:
+        return size
+    coord = layout.grid.coord(rank)
+    sizes = [layout.grid.axis_size(a) for a in factor.axes]
+    k = 0
+    for a, n in zip(factor.axes, sizes):
+        k = k * n + coord[a]
+    parts = prod(sizes)
+    if factor.axes[0] in layout.zigzag:
+        return 2 * (size // (2 * parts))
+    lo, hi = split_bounds(size, parts)[k]
+    return hi - lo

@@ -1,0 +1,476 @@
+"""The planner: a pure, cached, deterministic schedule for one redistribution.
+
+``plan(src, dst, sizes, dtype)`` works on index boxes only and never touches
+``torch.distributed``; executors (``mimo_fx.reference``, ``mimo_fx.compiled``) run its
+steps. The same inputs give the same plan on every rank, so every rank issues the same
+collectives in the same order.
+
+How a plan is built:
+
+1. *Reduce*: partial src axes (unless dst keeps them partial) are reduce-scattered inside
+   their group, the region cut along its longest dim, so each element crosses once.
+2. *Exchange*: every dst rank asks, box by box, for what it needs and does not hold; the
+   sender is chosen among the replicas holding the box (the receiver's own replica when
+   it is on the src grid, else round-robin). When the grids are disjoint and dst
+   replicates over some axes, each replica first takes a 1/k share (phase one)...
+3. *Gather*: ...and the replicas all-gather their shares (phase two), so a piece several
+   replicas need crosses between the grids once.
+4. The executor assembles every dst rank's local tensor from what it holds.
+
+An exchange whose transfers form disjoint all-gather groups is issued as all-gathers;
+a reduce-scatter followed by an all-gather of the same parts is fused into an all-reduce.
+Everything else is one uneven all-to-all over the union of the grids' ranks.
+
+>>> from mimo_fx import Grid, Layout
+>>> enc, llm = Grid(tp=2, dp=4), Grid(tp=2, cp=2, dp=2)
+>>> p = plan(Layout(enc, "(dp b) s h"), Layout(llm, "(dp b) s h"), {"b": 8, "s": 4, "h": 16})
+>>> [step.kind.value for step in p.steps]
+['all_gather']
+>>> p.max_recv == p.max_lower_bound
+True
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cache, cached_property, lru_cache
+from math import prod
+
+from .errors import MimoFxError
+from .layout import Layout
+from .regions import Box, Tiling, box_volume, intersect
+
+__all__ = [
+    "Collective", "Transfer", "Reduce", "Gather", "Exchange", "Plan", "plan", "backward_plan",
+    "check_sizes",
+]
+
+
+class Collective(str, Enum):
+    """The collectives a plan step can lower to."""
+
+    LOCAL = "local"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    ALL_TO_ALL = "all_to_all"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """``src`` sends ``box`` (canonical dim order) to ``dst``."""
+
+    src: int
+    dst: int
+    box: Box
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """Sum partial values inside each group.
+
+    ``regions[g]`` is the group's common region; member ``i`` of ``groups[g]`` keeps
+    ``parts[g][i]`` (reduce-scatter) or the whole region (all-reduce).
+    """
+
+    kind: Collective
+    groups: tuple[tuple[int, ...], ...]
+    regions: tuple[tuple[Box, ...], ...]
+    parts: tuple[tuple[tuple[Box, ...], ...], ...]
+
+
+@dataclass(frozen=True)
+class Gather:
+    """All-gather inside each group: member ``i`` contributes ``parts[g][i]``."""
+
+    groups: tuple[tuple[int, ...], ...]
+    parts: tuple[tuple[tuple[Box, ...], ...], ...]
+
+    kind = Collective.ALL_GATHER
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """Point-to-point pieces, issued as one uneven all-to-all over ``ranks``."""
+
+    transfers: tuple[Transfer, ...]
+    ranks: tuple[int, ...]
+
+    kind = Collective.ALL_TO_ALL
+
+
+Step = Reduce | Gather | Exchange
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A schedule of steps plus the tilings that define what every rank holds and needs."""
+
+    src: Layout
+    dst: Layout
+    dims: tuple[str, ...]
+    sizes: tuple[tuple[str, int], ...]
+    itemsize: int
+    steps: tuple[Step, ...]
+    hold: Tiling = field(repr=False)
+    need: Tiling = field(repr=False)
+    reduced_axes: tuple[str, ...] = ()
+
+    # -- cost ----------------------------------------------------------------------------
+    @cached_property
+    def _traffic(self) -> tuple[dict[int, int], dict[int, int]]:
+        sent: dict[int, int] = defaultdict(int)
+        recv: dict[int, int] = defaultdict(int)
+        for step in self.steps:
+            if isinstance(step, Exchange):
+                for t in step.transfers:
+                    n = box_volume(t.box)
+                    sent[t.src] += n
+                    recv[t.dst] += n
+                continue
+            for g, ranks in enumerate(step.groups):
+                vols = [sum(map(box_volume, part)) for part in step.parts[g]]
+                k, total = len(ranks), sum(vols)
+                if isinstance(step, Reduce):
+                    region = sum(map(box_volume, step.regions[g]))
+                    for rank, vol in zip(ranks, vols):
+                        rs_recv, rs_sent = (k - 1) * vol, region - vol
+                        ag = (total - vol, (k - 1) * vol)
+                        both = step.kind is Collective.ALL_REDUCE
+                        recv[rank] += rs_recv + (ag[0] if both else 0)
+                        sent[rank] += rs_sent + (ag[1] if both else 0)
+                else:
+                    for rank, vol in zip(ranks, vols):
+                        recv[rank] += total - vol
+                        sent[rank] += (k - 1) * vol
+        b = self.itemsize
+        return ({r: v * b for r, v in sorted(sent.items())},
+                {r: v * b for r, v in sorted(recv.items())})
+
+    @property
+    def bytes_sent(self) -> dict[int, int]:
+        """Bytes each rank sends (ranks that send nothing are absent)."""
+        return self._traffic[0]
+
+    @property
+    def bytes_recv(self) -> dict[int, int]:
+        """Bytes each rank receives (ranks that receive nothing are absent)."""
+        return self._traffic[1]
+
+    @cached_property
+    def lower_bound(self) -> dict[int, int]:
+        """Per dst rank: bytes it needs and does not already hold (partial values don't count)."""
+        out = {}
+        held_counts = not self.reduced_axes
+        for rank in self.dst.holders:
+            need = self.need.boxes(rank)
+            have = self.hold.boxes(rank) if held_counts else ()
+            missing = sum(map(box_volume, need))
+            for a in need:
+                for h in have:
+                    inter = intersect(a, h)
+                    if inter:
+                        missing -= box_volume(inter)
+            out[rank] = missing * self.itemsize
+        return out
+
+    @property
+    def max_recv(self) -> int:
+        return max(self.bytes_recv.values(), default=0)
+
+    @property
+    def max_sent(self) -> int:
+        return max(self.bytes_sent.values(), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_sent.values())
+
+    @property
+    def max_lower_bound(self) -> int:
+        return max(self.lower_bound.values(), default=0)
+
+    @cached_property
+    def reduction_bound(self) -> dict[int, int]:
+        """Per rank: the bandwidth-optimal volume of the plan's reductions, in bytes.
+
+        Reduce-scatter of a region R over k ranks: each receives (k-1)/k of R; an
+        all-reduce: twice that.
+        """
+        out: dict[int, int] = defaultdict(int)
+        for step in self.steps:
+            if isinstance(step, Reduce):
+                factor = 2 if step.kind is Collective.ALL_REDUCE else 1
+                for g, ranks in enumerate(step.groups):
+                    region = sum(map(box_volume, step.regions[g]))
+                    k = len(ranks)
+                    for rank in ranks:
+                        out[rank] += factor * -(-(k - 1) * region // k) * self.itemsize
+        return dict(out)
+
+    @property
+    def collectives(self) -> tuple[tuple[Collective, int], ...]:
+        """``(kind, number of groups)`` per step, in issue order."""
+        return tuple(
+            (s.kind, 1 if isinstance(s, Exchange) else len(s.groups)) for s in self.steps
+        )
+
+    # -- printing ------------------------------------------------------------------------
+    def describe_box(self, box: Box) -> str:
+        sizes = dict(self.sizes)
+        parts = [f"{d}[{a}:{b}]" for d, (a, b) in zip(self.dims, box) if (a, b) != (0, sizes[d])]
+        return " ".join(parts) or "all"
+
+    def __str__(self) -> str:
+        sizes = " ".join(f"{d}={n}" for d, n in self.sizes)
+        lines = [
+            f"plan {self.src.describe()} on {self.src.grid!r}",
+            f"  -> {self.dst.describe()} on {self.dst.grid!r}   ({sizes}, {self.itemsize} B/elem)",
+        ]
+        if not self.steps:
+            lines.append("  1. local: every dst rank slices what it holds (no communication)")
+        for i, step in enumerate(self.steps, 1):
+            lines.append(f"  {i}. {self._describe_step(step)}")
+        lines.append(
+            f"  cost: max recv {_fmt_bytes(self.max_recv)}/rank (lower bound "
+            f"{_fmt_bytes(self.max_lower_bound)}), max sent {_fmt_bytes(self.max_sent)}/rank, "
+            f"total {_fmt_bytes(self.total_bytes)}, {len(self.steps)} collective(s)"
+        )
+        return "\n".join(lines)
+
+    def _describe_step(self, step: Step) -> str:
+        if isinstance(step, Exchange):
+            pairs = sorted({(t.src, t.dst) for t in step.transfers})
+            shown = ", ".join(f"{s}->{d}" for s, d in pairs[:8])
+            more = f", ... ({len(pairs)} pairs)" if len(pairs) > 8 else ""
+            return (f"all_to_all over {len(step.ranks)} ranks, {len(step.transfers)} pieces: "
+                    f"{shown}{more}")
+        groups = _fmt_groups(step.groups)
+        first = step.parts[0]
+        shares = " | ".join(
+            ", ".join(self.describe_box(b) for b in part) or "-" for part in first[:4]
+        )
+        if isinstance(step, Reduce):
+            what = " + ".join(self.describe_box(b) for b in step.regions[0])
+            return f"{step.kind.value} over {groups}: region {what}; shares {shares}"
+        return f"all_gather over {groups}: shares {shares}"
+
+
+def _fmt_groups(groups) -> str:
+    shown = " ".join("(" + ",".join(map(str, g)) + ")" for g in groups[:4])
+    more = f" ... {len(groups)} groups" if len(groups) > 4 else ""
+    return shown + more
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+# -- entry points --------------------------------------------------------------------------
+def plan(src: Layout, dst: Layout, sizes: dict[str, int], dtype=None) -> Plan:
+    """The plan moving a tensor with global ``sizes`` from ``src`` to ``dst``.
+
+    ``dtype`` is anything with an ``itemsize`` (a ``torch.dtype``); default 4 bytes.
+    Pure and cached: equal arguments return the same object.
+    """
+    if not isinstance(src, Layout) or not isinstance(dst, Layout):
+        raise MimoFxError(f"plan needs two Layouts, got {src!r} and {dst!r}")
+    sizes_key = check_sizes(src, dst, sizes)
+    itemsize = 4 if dtype is None else int(getattr(dtype, "itemsize", dtype))
+    return _plan(src, dst, sizes_key, itemsize)
+
+
+def backward_plan(
+    src: Layout, dst: Layout, sizes: dict[str, int], dtype=None, grad_partial=()
+) -> Plan:
+    """The adjoint plan: dst cotangents -> src* (src with partial axes replicated).
+
+    Cotangents on dst's replicated axes are taken as consistent, except over the axes in
+    ``grad_partial``, where each replica holds a contribution and they are summed.
+    """
+    return plan(_bwd_dst(dst, tuple(grad_partial)), _star(src), sizes, dtype)
+
+
+@cache
+def _star(layout: Layout) -> Layout:
+    if not layout.partial:
+        return layout
+    return Layout(layout.grid, layout.pattern, at=dict(layout.at), zigzag=layout.zigzag)
+
+
+@cache
+def _bwd_dst(dst: Layout, grad_partial: tuple[str, ...]) -> Layout:
+    for axis in grad_partial:
+        if axis not in dst.replicated:
+            raise MimoFxError(
+                f"grad_partial={grad_partial}: axis {axis!r} is not replicated in dst "
+                f"{dst.describe()!r} (replicated axes: {dst.replicated}); only cotangents "
+                f"on replicated axes can be per-replica contributions"
+            )
+    if not grad_partial and not dst.partial:
+        return dst
+    return Layout(dst.grid, dst.pattern, partial=grad_partial, at=dict(dst.at),
+                  zigzag=dst.zigzag)
+
+
+def check_sizes(src: Layout, dst: Layout, sizes: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    """Validate dims and sizes; return the sizes as a hashable tuple in src's dim order."""
+    if set(src.dims) != set(dst.dims):
+        raise MimoFxError(
+            f"src {src.pattern!r} and dst {dst.pattern!r} must name the same dims; "
+            f"only in src: {sorted(set(src.dims) - set(dst.dims))}, only in dst: "
+            f"{sorted(set(dst.dims) - set(src.dims))}"
+        )
+    unknown = sorted(set(sizes) - set(src.dims))
+    if unknown:
+        raise MimoFxError(f"sizes name dims {unknown} that {src.pattern!r} does not have; "
+                          f"its dims are {src.dims}")
+    missing = [d for d in src.dims if d not in sizes]
+    if missing:
+        raise MimoFxError(f"sizes miss dims {missing} of {src.pattern!r}; pass the global "
+                          f"size of every dim, e.g. {missing[0]}=...")
+    for d in src.dims:
+        n = sizes[d]
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise MimoFxError(f"size {d}={n!r} must be a positive integer (global size)")
+    if dst.partial:
+        if dst.grid != src.grid or not set(dst.partial) <= set(src.partial):
+            raise MimoFxError(
+                f"dst {dst.describe()!r} is partial over {dst.partial}; a redistribute can "
+                f"only keep partial axes that src {src.describe()!r} already has, on the same "
+                f"grid. Make dst replicated (the values are then summed) instead"
+            )
+    return tuple((d, sizes[d]) for d in src.dims)
+
+
+@lru_cache(maxsize=4096)
+def _plan(src: Layout, dst: Layout, sizes: tuple[tuple[str, int], ...], itemsize: int) -> Plan:
+    dims = tuple(d for d, _ in sizes)
+    size_map = dict(sizes)
+    hold = Tiling.of(src, dims, size_map)
+    need = Tiling.of(dst, dims, size_map)
+    kept = dst.partial
+    reduce_axes = tuple(a for a in src.partial if a not in kept)
+    steps: list[Step] = []
+    if reduce_axes:
+        hold, reduce_step = _reduce_scatter(src, hold, reduce_axes)
+        steps.append(reduce_step)
+    phase_one, gather = need, None
+    two_phase_axes = tuple(a for a in need.free_axes if a not in kept)
+    disjoint = not set(src.grid.ranks) & set(dst.grid.ranks)
+    if disjoint and prod(dst.grid.axis_size(a) for a in two_phase_axes) > 1:
+        phase_one, gather = _two_phase(dst, need, two_phase_axes)
+    transfers = _exchange(hold, phase_one, dst, kept)
+    if transfers:
+        steps.append(_classify(transfers, src, dst))
+    if gather is not None:
+        steps.append(gather)
+    steps = _fuse_all_reduce(steps)
+    return Plan(src, dst, dims, sizes, itemsize, tuple(steps), hold, need, reduce_axes)
+
+
+# -- planning steps ------------------------------------------------------------------------
+def _longest_dim(tiling: Tiling, rank: int) -> str:
+    """The dim along which ``rank``'s region is longest (first on ties): where to cut."""
+    extents = [sum(b - a for a, b in seg) for seg in tiling.segments(rank)]
+    return tiling.dims[max(range(len(extents)), key=lambda i: (extents[i], -i))]
+
+
+def _reduce_scatter(src: Layout, hold: Tiling, axes: tuple[str, ...]) -> tuple[Tiling, Reduce]:
+    groups = tuple(g for g in src.grid.groups(axes) if src.holds(g[0]))
+    dim = _longest_dim(hold, groups[0][0])
+    refined = hold.refine(dim, axes)
+    regions = tuple(hold.boxes(g[0]) for g in groups)
+    parts = tuple(tuple(refined.boxes(r) for r in g) for g in groups)
+    return refined, Reduce(Collective.REDUCE_SCATTER, groups, regions, parts)
+
+
+def _two_phase(dst: Layout, need: Tiling, axes: tuple[str, ...]) -> tuple[Tiling, Gather]:
+    groups = tuple(g for g in dst.grid.groups(axes) if dst.holds(g[0]))
+    dim = _longest_dim(need, groups[0][0])
+    refined = need.refine(dim, axes)
+    parts = tuple(tuple(refined.boxes(r) for r in g) for g in groups)
+    return refined, Gather(groups, parts)
+
+
+def _mixed_index(coord: dict[str, int], axes: tuple[str, ...], grid) -> int:
+    """Index of ``coord`` over ``axes``, the first axis fastest."""
+    index, stride = 0, 1
+    for a in axes:
+        index += coord[a] * stride
+        stride *= grid.axis_size(a)
+    return index
+
+
+def _exchange(hold: Tiling, need: Tiling, dst: Layout, kept: tuple[str, ...]) -> list[Transfer]:
+    """For every needed sub-box a rank does not hold, one sender among the holders."""
+    src_grid, dst_grid = hold.grid, need.grid
+    need_free = tuple(a for a in need.free_axes if a not in kept)
+    need_owning = tuple(a for t in need.tilings for a in t.axes)
+    transfers = []
+    for rank in dst.holders:
+        coord = dst_grid.coord(rank)
+        own = src_grid.coord(rank) if hold.holds(rank) else None
+        replica = _mixed_index(coord, need_free, dst_grid)
+        salt = replica + _mixed_index(coord, need_owning, dst_grid)
+        ordinal = 0
+        for box in need.boxes(rank):
+            for sub, fixed in hold.owner_coords(box):
+                for a in kept:
+                    fixed[a] = coord[a]
+                if own is not None and all(own[a] == v for a, v in fixed.items()):
+                    continue
+                free = [a for a in hold.free_axes if a not in fixed]
+                if own is not None:
+                    choice = {a: own[a] for a in free}
+                else:
+                    sizes = [src_grid.axis_size(a) for a in free]
+                    j = (salt + ordinal) % prod(sizes)
+                    choice = {}
+                    for a, n in zip(free, sizes):
+                        j, choice[a] = divmod(j, n)
+                ordinal += 1
+                sender = src_grid.rank_of(tuple({**fixed, **choice}[a] for a in src_grid.names))
+                transfers.append(Transfer(sender, rank, sub))
+    return transfers
+
+
+def _classify(transfers: list[Transfer], src: Layout, dst: Layout) -> Step:
+    """Disjoint all-gather groups if the transfers form them, else one all-to-all."""
+    sends: dict[int, dict[int, list[Box]]] = defaultdict(lambda: defaultdict(list))
+    for t in transfers:
+        sends[t.src][t.dst].append(t.box)
+    groups: dict[tuple[int, ...], dict[int, tuple[Box, ...]]] = {}
+    gather = True
+    for sender, by_dst in sends.items():
+        payloads = {tuple(boxes) for boxes in by_dst.values()}
+        group = tuple(sorted({sender, *by_dst}))
+        if len(payloads) != 1:
+            gather = False
+            break
+        groups.setdefault(group, {})[sender] = payloads.pop()
+    if gather:
+        members = [r for g in groups for r in g]
+        gather = len(members) == len(set(members)) and all(
+            len(contrib) == len(g) for g, contrib in groups.items()
+        )
+    if gather:
+        ordered = sorted(groups)
+        return Gather(tuple(ordered), tuple(tuple(groups[g][r] for r in g) for g in ordered))
+    union = tuple(sorted(set(src.grid.ranks) | set(dst.grid.ranks)))
+    return Exchange(tuple(transfers), union)
+
+
+def _fuse_all_reduce(steps: list[Step]) -> list[Step]:
+    """reduce_scatter then all_gather of the same shares in the same groups = all_reduce."""
+    if len(steps) >= 2 and isinstance(steps[0], Reduce) and isinstance(steps[1], Gather):
+        rs, ag = steps[0], steps[1]
+        if rs.groups == ag.groups and rs.parts == ag.parts:
+            return [Reduce(Collective.ALL_REDUCE, rs.groups, rs.regions, rs.parts), *steps[2:]]
+    return steps

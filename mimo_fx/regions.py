@@ -1,0 +1,212 @@
+"""Regions: which index boxes of the logical tensor each rank holds.
+
+A *tiling* describes, per logical dim, a sorted list of disjoint intervals covering the
+dim, each owned by a coordinate of the axes that shard that dim. A rank holds, on each
+dim, the intervals whose owner matches its coordinate; its region is the product of those
+interval lists (one box for plain sharding, several for zigzag). Tilings come from
+layouts and can be *refined*: each interval of one dim cut further over extra axes, which
+is how the planner describes a partial reduce-scatter's output or the first phase of a
+two-phase transfer.
+
+A box is a tuple of ``(start, stop)`` per dim, in the plan's canonical dim order.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import product
+from math import prod
+
+from .errors import MimoFxError
+from .grid import Grid
+from .layout import Layout
+
+__all__ = ["split_bounds", "DimTiling", "Tiling", "Box", "box_volume", "intersect"]
+
+Interval = tuple[int, int]
+Box = tuple[Interval, ...]
+
+
+def split_bounds(size: int, parts: int) -> tuple[Interval, ...]:
+    """``torch.tensor_split`` intervals: the first ``size % parts`` get one more."""
+    q, r = divmod(size, parts)
+    out, start = [], 0
+    for k in range(parts):
+        stop = start + q + (1 if k < r else 0)
+        out.append((start, stop))
+        start = stop
+    return tuple(out)
+
+
+def zigzag_bounds(size: int, parts: int) -> tuple[tuple[Interval, ...], ...]:
+    """Per shard k, chunks k and 2*parts-1-k of ``2*parts`` equal chunks."""
+    chunk = size // (2 * parts)
+    return tuple(
+        ((k * chunk, (k + 1) * chunk), ((2 * parts - 1 - k) * chunk, (2 * parts - k) * chunk))
+        for k in range(parts)
+    )
+
+
+def box_volume(box: Box) -> int:
+    return prod(stop - start for start, stop in box)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class DimTiling:
+    """Intervals of one dim and, for each, the coordinate of ``axes`` owning it."""
+
+    size: int
+    axes: tuple[str, ...]
+    intervals: tuple[Interval, ...]  # sorted by start, non-empty, disjoint, covering
+    owners: tuple[tuple[int, ...], ...]
+
+    @cached_property
+    def starts(self) -> tuple[int, ...]:
+        return tuple(start for start, _ in self.intervals)
+
+    @cached_property
+    def by_owner(self) -> dict[tuple[int, ...], tuple[Interval, ...]]:
+        out: dict[tuple[int, ...], list[Interval]] = {}
+        for interval, owner in zip(self.intervals, self.owners):
+            out.setdefault(owner, []).append(interval)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def split(self, start: int, stop: int) -> list[tuple[Interval, tuple[int, ...]]]:
+        """Cut ``[start, stop)`` at this tiling's bounds: ``[(piece, owner), ...]``."""
+        out = []
+        i = bisect_right(self.starts, start) - 1
+        while start < stop:
+            lo, hi = self.intervals[i]
+            piece_stop = min(hi, stop)
+            out.append(((start, piece_stop), self.owners[i]))
+            start = piece_stop
+            i += 1
+        return out
+
+    def refine(self, axes: tuple[str, ...], parts: int) -> DimTiling:
+        """Cut every interval into ``parts`` (tensor_split); the new axes go innermost."""
+        intervals, owners = [], []
+        for (lo, hi), owner in zip(self.intervals, self.owners):
+            for k, (a, b) in enumerate(split_bounds(hi - lo, parts)):
+                if b > a:
+                    intervals.append((lo + a, lo + b))
+                    owners.append((*owner, k))
+        return DimTiling(self.size, self.axes + axes, tuple(intervals), tuple(owners))
+
+
+def _dim_tiling(size: int, axes: tuple[str, ...], grid: Grid, zigzag: bool) -> DimTiling:
+    if not axes:
+        return DimTiling(size, (), ((0, size),) if size else (), ((),) if size else ())
+    sizes = [grid.axis_size(a) for a in axes]
+    parts = prod(sizes)
+    if zigzag:
+        per_shard = zigzag_bounds(size, parts)
+    else:
+        per_shard = tuple((iv,) for iv in split_bounds(size, parts))
+    pieces = []
+    for k, intervals in enumerate(per_shard):
+        owner = _unflatten(k, sizes)
+        pieces.extend((iv, owner) for iv in intervals if iv[1] > iv[0])
+    pieces.sort()
+    return DimTiling(size, axes, tuple(p[0] for p in pieces), tuple(p[1] for p in pieces))
+
+
+def _unflatten(k: int, sizes: list[int]) -> tuple[int, ...]:
+    """Shard index -> axis coordinates, the first axis outermost (slowest)."""
+    out = []
+    for size in reversed(sizes):
+        k, c = divmod(k, size)
+        out.append(c)
+    return tuple(reversed(out))
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Per-dim tilings over a grid plus the pinned coordinates; ``dims`` is canonical order."""
+
+    grid: Grid
+    dims: tuple[str, ...]
+    tilings: tuple[DimTiling, ...]
+    pinned: tuple[tuple[str, int], ...]
+
+    @staticmethod
+    def of(layout: Layout, dims: tuple[str, ...], sizes: dict[str, int]) -> Tiling:
+        zig = set(layout.zigzag)
+        tilings = []
+        for dim in dims:
+            axes = layout.sharding[dim]
+            is_zigzag = bool(axes) and axes[0] in zig
+            if is_zigzag:
+                parts = prod(layout.grid.axis_size(a) for a in axes)
+                if sizes[dim] % (2 * parts):
+                    raise MimoFxError(
+                        f"in layout {layout.pattern!r}: zigzag over {axes[0]!r} cuts dim "
+                        f"{dim!r} into 2*{parts}={2 * parts} equal chunks, but {dim}="
+                        f"{sizes[dim]} is not divisible by {2 * parts}; pad {dim!r} to a "
+                        f"multiple of {2 * parts} or drop zigzag"
+                    )
+            tilings.append(_dim_tiling(sizes[dim], axes, layout.grid, is_zigzag))
+        return Tiling(layout.grid, dims, tuple(tilings), layout.at)
+
+    @cached_property
+    def owning_axes(self) -> frozenset[str]:
+        return frozenset(a for t in self.tilings for a in t.axes)
+
+    @cached_property
+    def free_axes(self) -> tuple[str, ...]:
+        """Axes along which holders replicate."""
+        pinned = {a for a, _ in self.pinned}
+        return tuple(a for a in self.grid.names if a not in self.owning_axes and a not in pinned)
+
+    def holds(self, rank: int) -> bool:
+        if rank not in self.grid:
+            return False
+        if not self.pinned:
+            return True
+        coord = self.grid.coord(rank)
+        return all(coord[a] == i for a, i in self.pinned)
+
+    def segments(self, rank: int) -> tuple[tuple[Interval, ...], ...]:
+        """Per dim, the intervals ``rank`` holds, in local order (empty if it holds none)."""
+        coord = self.grid.coord(rank)
+        out = []
+        for tiling in self.tilings:
+            owner = tuple(coord[a] for a in tiling.axes)
+            out.append(tiling.by_owner.get(owner, ()))
+        return tuple(out)
+
+    def boxes(self, rank: int) -> tuple[Box, ...]:
+        """The boxes ``rank`` holds (empty if it is off the pinned index)."""
+        if not self.holds(rank):
+            return ()
+        return tuple(product(*self.segments(rank)))
+
+    def refine(self, dim: str, axes: tuple[str, ...]) -> Tiling:
+        i = self.dims.index(dim)
+        parts = prod(self.grid.axis_size(a) for a in axes)
+        tilings = list(self.tilings)
+        tilings[i] = tilings[i].refine(axes, parts)
+        return Tiling(self.grid, self.dims, tuple(tilings), self.pinned)
+
+    def owner_coords(self, box: Box) -> list[tuple[Box, dict[str, int]]]:
+        """Cut ``box`` at this tiling's bounds: ``[(sub_box, fixed axis coords), ...]``."""
+        per_dim = [t.split(lo, hi) for t, (lo, hi) in zip(self.tilings, box)]
+        out = []
+        for combo in product(*per_dim):
+            coord = dict(self.pinned)
+            for tiling, (_, owner) in zip(self.tilings, combo):
+                coord.update(zip(tiling.axes, owner))
+            out.append((tuple(iv for iv, _ in combo), coord))
+        return out

@@ -1,0 +1,141 @@
+"""Run a plan for every rank in one process.
+
+Each rank's *store* is a list of ``(box, tensor)`` pieces in canonical dim order. The
+executor loads the src pieces, applies the plan's steps (reduce, exchange, gather) by
+copying boxes between stores, then assembles every dst rank's local tensor. It decides
+nothing: every box it moves is named by the plan.
+"""
+
+from __future__ import annotations
+
+from itertools import product
+
+import torch
+
+from mimo_fx.errors import MimoFxError
+from mimo_fx.layout import Layout
+from mimo_fx.local import box_slices, from_canonical, infer_sizes, to_canonical
+from mimo_fx.op import apply
+from mimo_fx.plan import Exchange, Gather, Plan, Reduce, backward_plan, plan
+from mimo_fx.regions import Box, Tiling, intersect
+
+__all__ = ["ReferenceExecutor", "redistribute"]
+
+Store = list[tuple[Box, torch.Tensor]]
+
+
+def _take(store: Store, box: Box) -> torch.Tensor:
+    """The values of ``box`` from the stored pieces (one that contains it, else several)."""
+    for held, tensor in store:
+        if all(a <= lo and hi <= b for (a, b), (lo, hi) in zip(held, box)):
+            return tensor[tuple(slice(lo - a, hi - a) for (a, _), (lo, hi) in zip(held, box))]
+    out = torch.empty([hi - lo for lo, hi in box], dtype=store[0][1].dtype)
+    filled = torch.zeros(out.shape, dtype=torch.bool)
+    for held, tensor in store:
+        inter = intersect(box, held)
+        if inter is not None:
+            dst_at = tuple(slice(lo - a, hi - a) for (a, _), (lo, hi) in zip(box, inter))
+            out[dst_at] = tensor[tuple(slice(lo - a, hi - a)
+                                       for (a, _), (lo, hi) in zip(held, inter))]
+            filled[dst_at] = True
+    assert bool(filled.all()), f"plan moves box {box} that the sender does not hold"
+    return out
+
+
+class ReferenceExecutor:
+    """Executes plans on a tuple of pieces, one per src holder, in rank order."""
+
+    def run(self, plan: Plan, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        src_tiling = Tiling.of(plan.src, plan.dims, dict(plan.sizes))
+        stores: dict[int, Store] = {}
+        for rank, local in zip(plan.src.holders, tensors):
+            canon = to_canonical(local, plan.src, src_tiling, rank)
+            segments = src_tiling.segments(rank)
+            stores[rank] = [(box, canon[box_slices(segments, box)])
+                            for box in product(*segments)]
+        for step in plan.steps:
+            if isinstance(step, Reduce):
+                self._reduce(step, stores)
+            elif isinstance(step, Gather):
+                self._gather(step, stores)
+            else:
+                self._exchange(step, stores)
+        return tuple(self._assemble(plan, rank, stores.get(rank, []))
+                     for rank in plan.dst.holders)
+
+    @staticmethod
+    def _reduce(step: Reduce, stores: dict[int, Store]) -> None:
+        for group, region, parts in zip(step.groups, step.regions, step.parts):
+            summed = [torch.stack([_take(stores[r], box) for r in group]).sum(0)
+                      for box in region]
+            full = list(zip(region, summed))
+            for rank, part in zip(group, parts):
+                stores[rank] = full if step.kind.value == "all_reduce" else [
+                    (box, _take(full, box)) for box in part]
+
+    @staticmethod
+    def _gather(step: Gather, stores: dict[int, Store]) -> None:
+        incoming: dict[int, Store] = {}
+        for group, parts in zip(step.groups, step.parts):
+            shares = [[(box, _take(stores[r], box)) for box in part]
+                      for r, part in zip(group, parts)]
+            for rank in group:
+                incoming[rank] = [p for share in shares for p in share]
+        for rank, pieces in incoming.items():
+            stores.setdefault(rank, []).extend(pieces)
+
+    @staticmethod
+    def _exchange(step: Exchange, stores: dict[int, Store]) -> None:
+        incoming: dict[int, Store] = {}
+        for t in step.transfers:
+            incoming.setdefault(t.dst, []).append((t.box, _take(stores[t.src], t.box)))
+        for rank, pieces in incoming.items():
+            stores.setdefault(rank, []).extend(pieces)
+
+    @staticmethod
+    def _assemble(plan: Plan, rank: int, store: Store) -> torch.Tensor:
+        segments = plan.need.segments(rank)
+        shape = [sum(b - a for a, b in seg) for seg in segments]
+        dtype = store[0][1].dtype if store else torch.float32
+        out = torch.empty(shape, dtype=dtype)
+        filled = torch.zeros(shape, dtype=torch.bool)
+        for box in product(*segments):
+            where = box_slices(segments, box)
+            for held, tensor in store:
+                inter = intersect(box, held)
+                if inter is None:
+                    continue
+                dst_at = box_slices(segments, inter)
+                src_at = tuple(slice(lo - a, hi - a) for (a, _), (lo, hi) in zip(held, inter))
+                out[dst_at] = tensor[src_at]
+                filled[dst_at] = True
+            assert bool(filled[where].all()), f"rank {rank}: box {box} not fully received"
+        return from_canonical(out, plan.dst, plan.dims)
+
+
+_EXECUTOR = ReferenceExecutor()
+
+
+def redistribute(
+    pieces: dict[int, torch.Tensor], src: Layout, dst: Layout, *, grad_partial=(), **sizes
+) -> dict[int, torch.Tensor]:
+    """Redistribute every src rank's piece to every dst rank, through the custom vjp.
+
+    ``pieces`` must hold exactly the src holders' local tensors; the result holds the dst
+    holders'. Global sizes are inferred from the pieces unless given.
+    """
+    holders = src.holders
+    missing = [r for r in holders if r not in pieces]
+    extra = [r for r in pieces if r not in holders]
+    if missing or extra:
+        raise MimoFxError(f"redistribute: src {src.describe()!r} on {src.grid!r} is held by "
+                          f"ranks {list(holders)}; pieces miss {missing} and have extra {extra}")
+    dtypes = {t.dtype for t in pieces.values()}
+    if len(dtypes) != 1:
+        raise MimoFxError(f"redistribute: pieces have mixed dtypes {sorted(map(str, dtypes))}")
+    dtype = dtypes.pop()
+    full = infer_sizes(src, {r: tuple(pieces[r].shape) for r in holders}, sizes)
+    fwd = plan(src, dst, full, dtype)
+    bwd = backward_plan(src, dst, full, dtype, grad_partial)
+    out = apply(_EXECUTOR, fwd, bwd, tuple(pieces[r] for r in holders))
+    return dict(zip(dst.holders, out))

@@ -1,0 +1,123 @@
+"""The oracle: global tensor <-> per-rank pieces by plain full-tensor indexing.
+
+Written independently of the planner's region code: shards come from
+``torch.tensor_split`` / ``torch.chunk`` and ``einops.rearrange``, so tests comparing a
+plan's result with ``shard(X, dst)`` check the planner against separate math.
+
+>>> import torch
+>>> from mimo_fx import Grid, Layout
+>>> layout = Layout(Grid(cp=2), "(cp s)", zigzag="cp")
+>>> {r: t.tolist() for r, t in shard(torch.arange(8), layout).items()}
+{0: [0, 1, 6, 7], 1: [2, 3, 4, 5]}
+>>> unshard(shard(torch.arange(8), layout), layout).tolist()
+[0, 1, 2, 3, 4, 5, 6, 7]
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import einops
+import torch
+
+from mimo_fx.errors import MimoFxError
+from mimo_fx.layout import Layout
+from mimo_fx.local import infer_sizes
+
+__all__ = ["shard", "unshard", "shard_index"]
+
+
+def _shard_index(layout: Layout, rank: int, dim: str, size: int) -> torch.Tensor:
+    """Global indices of ``dim`` that ``rank`` holds, in local order."""
+    index = torch.arange(size)
+    axes = layout.sharding[dim]
+    if not axes:
+        return index
+    coord = layout.grid.coord(rank)
+    parts = prod(layout.grid.axis_size(a) for a in axes)
+    k = 0
+    for a in axes:
+        k = k * layout.grid.axis_size(a) + coord[a]
+    if axes[0] in layout.zigzag:
+        if size % (2 * parts):
+            raise MimoFxError(f"in layout {layout.pattern!r}: zigzag needs {dim}={size} "
+                              f"divisible by 2*{parts}; pad {dim!r}")
+        chunks = index.chunk(2 * parts)
+        return torch.cat([chunks[k], chunks[2 * parts - 1 - k]])
+    return torch.tensor_split(index, parts)[k]
+
+
+def shard_index(layout: Layout, rank: int, sizes: dict[str, int]) -> list[torch.Tensor]:
+    """Per dim (pattern order), the global indices ``rank`` holds."""
+    return [_shard_index(layout, rank, d, sizes[d]) for d in layout.dims]
+
+
+def _flatten_pattern(layout: Layout) -> str:
+    groups = [" ".join(f.dim for f in g) for g in layout.groups]
+    return " ".join(g if " " not in g else f"({g})" for g in groups)
+
+
+def shard(x: torch.Tensor, layout: Layout) -> dict[int, torch.Tensor]:
+    """Every holder's piece of the global ``x`` (dims in the pattern's order).
+
+    Under a partial layout the piece at partial index 0 holds the values and the other
+    members of the partial group hold zeros, so the pieces sum to ``x``.
+    """
+    if x.dim() != len(layout.dims):
+        raise MimoFxError(f"shard: global tensor has {x.dim()} dims {tuple(x.shape)} but "
+                          f"layout {layout.pattern!r} names {len(layout.dims)} dims "
+                          f"{layout.dims}")
+    sizes = dict(zip(layout.dims, x.shape))
+    lhs, rhs = " ".join(layout.dims), _flatten_pattern(layout)
+    out = {}
+    for rank in layout.holders:
+        index = shard_index(layout, rank, sizes)
+        piece = x[torch.meshgrid(*index, indexing="ij")] if x.dim() else x.clone()
+        piece = einops.rearrange(piece, f"{lhs} -> {rhs}")
+        coord = layout.grid.coord(rank)
+        if any(coord[a] for a in layout.partial):
+            piece = torch.zeros_like(piece)
+        out[rank] = piece.contiguous()
+    return out
+
+
+def unshard(
+    pieces: dict[int, torch.Tensor], layout: Layout, *, atol: float = 0.0, **sizes: int
+) -> torch.Tensor:
+    """The global tensor from every holder's piece; replicas must agree (within ``atol``).
+
+    Partial axes are summed. Sizes the local shapes cannot tell are keyword arguments.
+    """
+    missing = [r for r in layout.holders if r not in pieces]
+    extra = [r for r in pieces if r not in layout.holders]
+    if missing or extra:
+        raise MimoFxError(f"unshard: layout {layout.describe()!r} on {layout.grid!r} has "
+                          f"holders {list(layout.holders)}; missing {missing}, extra {extra}")
+    sizes = infer_sizes(layout, {r: tuple(t.shape) for r, t in pieces.items()}, sizes)
+    rhs, lhs = " ".join(layout.dims), _flatten_pattern(layout)
+    sample = next(iter(pieces.values()))
+    groups = layout.grid.groups(layout.partial) if layout.partial else tuple(
+        (r,) for r in layout.grid.ranks)
+    out = torch.zeros([sizes[d] for d in layout.dims], dtype=sample.dtype)
+    seen = torch.zeros(out.shape, dtype=torch.bool)
+    for group in groups:
+        if group[0] not in pieces:
+            continue
+        summed = pieces[group[0]]
+        for r in group[1:]:
+            summed = summed + pieces[r]
+        index = shard_index(layout, group[0], sizes)
+        local = {d: len(i) for d, i in zip(layout.dims, index)}
+        piece = einops.rearrange(summed, f"{lhs} -> {rhs}", **local)
+        where = torch.meshgrid(*index, indexing="ij")
+        before = out[where]
+        overlap = seen[where]
+        if overlap.any() and not torch.allclose(before[overlap], piece[overlap], atol=atol,
+                                                rtol=0):
+            raise MimoFxError(f"unshard: replicas disagree at rank {group[0]} under "
+                              f"{layout.describe()!r}")
+        out[where] = piece
+        seen[where] = True
+    if not bool(seen.all()):
+        raise MimoFxError(f"unshard: pieces do not cover the tensor under {layout.describe()!r}")
+    return out
