@@ -1,7 +1,14 @@
-"""mimo_fx: one functional op to move tensors between differently-parallelised modules."""
+"""mimo_fx: one functional op to move tensors between differently-parallelised modules.
+
+``redistribute(x, src, dst)`` moves a tensor between two :class:`Layout` s (einops-style
+patterns over :class:`Grid` s of ranks); ``plan(src, dst, sizes)`` shows how.
+"""
 
 from .errors import MimoFxError
 from .grid import Grid
 from .layout import Layout
+from .op import redistribute
+from .plan import Collective, Plan, backward_plan, plan
 
-__all__ = ["Grid", "Layout", "MimoFxError"]
+__all__ = ["Collective", "Grid", "Layout", "MimoFxError", "Plan", "backward_plan", "plan",
+           "redistribute"]

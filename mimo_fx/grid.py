@@ -117,6 +117,11 @@ class Grid:
 
     def rank_of(self, coord: tuple[int, ...]) -> int:
         """The rank of a coordinate tuple in axis order."""
+        if len(coord) != len(self.names):
+            raise MimoFxError(
+                f"coordinate {tuple(coord)} has {len(coord)} entries but {self!r} has "
+                f"{len(self.names)} axes {self.names}; give one index per axis"
+            )
         total = self.offset
         for name, index, size, stride in zip(self.names, coord, self.sizes, self.strides):
             if not 0 <= index < size:

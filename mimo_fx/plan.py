@@ -358,15 +358,16 @@ def _plan(src: Layout, dst: Layout, sizes: tuple[tuple[str, int], ...], itemsize
     kept = dst.partial
     reduce_axes = tuple(a for a in src.partial if a not in kept)
     steps: list[Step] = []
-    if reduce_axes:
-        hold, reduce_step = _reduce_scatter(src, hold, reduce_axes)
-        steps.append(reduce_step)
     phase_one, gather = need, None
     two_phase_axes = tuple(a for a in need.free_axes if a not in kept)
     disjoint = not set(src.grid.ranks) & set(dst.grid.ranks)
     if disjoint and prod(dst.grid.axis_size(a) for a in two_phase_axes) > 1:
         phase_one, gather = _two_phase(dst, need, two_phase_axes)
-    transfers = _exchange(hold, phase_one, dst, kept)
+    if reduce_axes:
+        hold, reduce_step, transfers = _reduce_scatter(src, hold, reduce_axes, phase_one, dst)
+        steps.append(reduce_step)
+    else:
+        transfers = _exchange(hold, phase_one, dst, kept)
     if transfers:
         steps.append(_classify(transfers, src, dst))
     if gather is not None:
@@ -382,13 +383,32 @@ def _longest_dim(tiling: Tiling, rank: int) -> str:
     return tiling.dims[max(range(len(extents)), key=lambda i: (extents[i], -i))]
 
 
-def _reduce_scatter(src: Layout, hold: Tiling, axes: tuple[str, ...]) -> tuple[Tiling, Reduce]:
+def _reduce_scatter(src: Layout, hold: Tiling, axes: tuple[str, ...], need: Tiling,
+                    dst: Layout) -> tuple[Tiling, Reduce, list[Transfer]]:
+    """Reduce-scatter inside the partial groups, cut along the dim that gives the least
+    peak per-rank traffic (reduction plus what is exchanged after it), then the least
+    exchange, then the longest dim: so partial -> TP-sharded on the same dim is one
+    reduce-scatter and nothing else."""
     groups = tuple(g for g in src.grid.groups(axes) if src.holds(g[0]))
-    dim = _longest_dim(hold, groups[0][0])
-    refined = hold.refine(dim, axes)
+    longest = _longest_dim(hold, groups[0][0])
+    best = None
+    for index, dim in enumerate(hold.dims):
+        refined = hold.refine(dim, axes)
+        parts = tuple(tuple(refined.boxes(r) for r in g) for g in groups)
+        transfers = _exchange(refined, need, dst, dst.partial)
+        recv: dict[int, int] = defaultdict(int)
+        for group, group_parts in zip(groups, parts):
+            for rank, part in zip(group, group_parts):
+                recv[rank] += (len(group) - 1) * sum(map(box_volume, part))
+        for t in transfers:
+            recv[t.dst] += box_volume(t.box)
+        exchanged = sum(box_volume(t.box) for t in transfers)
+        cost = (max(recv.values(), default=0), exchanged, dim != longest, index)
+        if best is None or cost < best[0]:
+            best = (cost, refined, parts, transfers)
+    _, refined, parts, transfers = best
     regions = tuple(hold.boxes(g[0]) for g in groups)
-    parts = tuple(tuple(refined.boxes(r) for r in g) for g in groups)
-    return refined, Reduce(Collective.REDUCE_SCATTER, groups, regions, parts)
+    return refined, Reduce(Collective.REDUCE_SCATTER, groups, regions, parts), transfers
 
 
 def _two_phase(dst: Layout, need: Tiling, axes: tuple[str, ...]) -> tuple[Tiling, Gather]:

@@ -95,14 +95,14 @@ class DimTiling:
             i += 1
         return out
 
-    def refine(self, axes: tuple[str, ...], parts: int) -> DimTiling:
-        """Cut every interval into ``parts`` (tensor_split); the new axes go innermost."""
+    def refine(self, axes: tuple[str, ...], sizes: list[int]) -> DimTiling:
+        """Cut every interval into ``prod(sizes)`` parts (tensor_split) owned by ``axes``."""
         intervals, owners = [], []
         for (lo, hi), owner in zip(self.intervals, self.owners):
-            for k, (a, b) in enumerate(split_bounds(hi - lo, parts)):
+            for k, (a, b) in enumerate(split_bounds(hi - lo, prod(sizes))):
                 if b > a:
                     intervals.append((lo + a, lo + b))
-                    owners.append((*owner, k))
+                    owners.append((*owner, *_unflatten(k, sizes)))
         return DimTiling(self.size, self.axes + axes, tuple(intervals), tuple(owners))
 
 
@@ -195,9 +195,8 @@ class Tiling:
 
     def refine(self, dim: str, axes: tuple[str, ...]) -> Tiling:
         i = self.dims.index(dim)
-        parts = prod(self.grid.axis_size(a) for a in axes)
         tilings = list(self.tilings)
-        tilings[i] = tilings[i].refine(axes, parts)
+        tilings[i] = tilings[i].refine(axes, [self.grid.axis_size(a) for a in axes])
         return Tiling(self.grid, self.dims, tuple(tilings), self.pinned)
 
     def owner_coords(self, box: Box) -> list[tuple[Box, dict[str, int]]]:

@@ -60,7 +60,8 @@ class ReferenceExecutor:
                 self._gather(step, stores)
             else:
                 self._exchange(step, stores)
-        return tuple(self._assemble(plan, rank, stores.get(rank, []))
+        dtype = tensors[0].dtype
+        return tuple(self._assemble(plan, rank, stores.get(rank, []), dtype)
                      for rank in plan.dst.holders)
 
     @staticmethod
@@ -93,10 +94,9 @@ class ReferenceExecutor:
             stores.setdefault(rank, []).extend(pieces)
 
     @staticmethod
-    def _assemble(plan: Plan, rank: int, store: Store) -> torch.Tensor:
+    def _assemble(plan: Plan, rank: int, store: Store, dtype: torch.dtype) -> torch.Tensor:
         segments = plan.need.segments(rank)
         shape = [sum(b - a for a, b in seg) for seg in segments]
-        dtype = store[0][1].dtype if store else torch.float32
         out = torch.empty(shape, dtype=dtype)
         filled = torch.zeros(shape, dtype=torch.bool)
         for box in product(*segments):

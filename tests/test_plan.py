@@ -1,0 +1,166 @@
+"""Plan properties over the shared table, checked with the oracle's index sets.
+
+- nothing a rank already holds is sent to it, and nobody receives an element twice;
+- every rank receives exactly its lower bound (bytes it needs and does not hold),
+  computed here independently from ``shard_index``;
+- partial inputs cost no more than the bandwidth-optimal reduce-scatter / all-reduce;
+- across disjoint grids each element crosses once;
+- the collectives are the ones the case calls for.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from cases import CASES, Case, case_ids
+
+from mimo_fx import Collective, Grid, Layout, plan
+from mimo_fx.plan import Exchange, Gather, Reduce
+from mimo_fx.plan import _plan as plan_cache
+from mimo_fx.reference.oracle import shard_index
+
+ITEM = 4  # float32
+
+
+def index_mask(layout: Layout, rank: int, case: Case, dims) -> torch.Tensor:
+    """Boolean mask (canonical = src dim order) of the global elements ``rank`` holds."""
+    mask = torch.zeros([case.sizes[d] for d in dims], dtype=torch.bool)
+    if not layout.holds(rank):
+        return mask
+    index = dict(zip(layout.dims, shard_index(layout, rank, case.sizes)))
+    mask[torch.meshgrid(*(index[d] for d in dims), indexing="ij")] = True
+    return mask
+
+
+def box_mask(box, case: Case, dims) -> torch.Tensor:
+    mask = torch.zeros([case.sizes[d] for d in dims], dtype=torch.bool)
+    mask[tuple(slice(a, b) for a, b in box)] = True
+    return mask
+
+
+def received(p) -> dict[int, list]:
+    """Per receiver, the boxes it gets in every step (reductions excluded)."""
+    out: dict[int, list] = {}
+    for step in p.steps:
+        if isinstance(step, Exchange):
+            for t in step.transfers:
+                out.setdefault(t.dst, []).append(t.box)
+        elif isinstance(step, Gather) or step.kind is Collective.ALL_REDUCE:
+            for group, parts in zip(step.groups, step.parts):
+                for rank in group:
+                    out.setdefault(rank, []).extend(
+                        b for r, part in zip(group, parts) if r != rank for b in part)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_ids())
+def test_receivers_get_exactly_what_they_miss(case: Case):
+    p = plan(case.src, case.dst, case.sizes)
+    dims = case.src.dims
+    got = received(p)
+    reduced = bool(set(case.src.partial) - set(case.dst.partial))
+    for rank in case.dst.holders:
+        need = index_mask(case.dst, rank, case, dims)
+        held = torch.zeros_like(need) if reduced else index_mask(case.src, rank, case, dims)
+        count = torch.zeros(need.shape, dtype=torch.int64)
+        for box in got.get(rank, []):
+            count += box_mask(box, case, dims)
+        if not reduced:
+            assert not (count.bool() & held).any(), f"rank {rank} is sent what it holds"
+            assert int(count.max()) <= 1, f"rank {rank} receives an element twice"
+            assert torch.equal(count.bool(), need & ~held), f"rank {rank} misses data"
+        lower = int((need & ~held).sum()) * ITEM
+        assert p.lower_bound[rank] == lower
+        if reduced:
+            assert p.bytes_recv.get(rank, 0) <= lower + p.reduction_bound.get(rank, 0)
+        else:
+            assert p.bytes_recv.get(rank, 0) == lower
+    if not case.src.partial:
+        assert p.max_recv == p.max_lower_bound
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "disjoint" in c.tags],
+                         ids=case_ids([c for c in CASES if "disjoint" in c.tags]))
+def test_disjoint_grids_each_element_crosses_once(case: Case):
+    p = plan(case.src, case.dst, case.sizes)
+    src_ranks = set(case.src.grid.ranks)
+    crossing = 0
+    for step in p.steps:
+        if isinstance(step, Exchange):
+            for t in step.transfers:
+                assert t.src in src_ranks and t.dst not in src_ranks
+                crossing += int(box_mask(t.box, case, case.src.dims).sum())
+    total = 1
+    for n in case.sizes.values():
+        total *= n
+    assert crossing == total
+    if any(case.dst.grid.axis_size(a) > 1 for a in case.dst.replicated):
+        assert p.steps[-1].kind is Collective.ALL_GATHER  # phase two inside the dst replicas
+
+
+EXPECTED_KINDS = {
+    "local": [],
+    "gather": [Collective.ALL_GATHER],
+    "all_reduce": [Collective.ALL_REDUCE],
+    "reduce_scatter": [Collective.REDUCE_SCATTER],
+}
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if set(c.tags) & set(EXPECTED_KINDS)],
+                         ids=case_ids([c for c in CASES if set(c.tags) & set(EXPECTED_KINDS)]))
+def test_collectives_match_the_case(case: Case):
+    p = plan(case.src, case.dst, case.sizes)
+    tag = next(t for t in case.tags if t in EXPECTED_KINDS)
+    assert [s.kind for s in p.steps] == EXPECTED_KINDS[tag]
+
+
+def test_fan_in_gathers_pairs_of_dp_siblings():
+    enc, llm = Grid(tp=2, dp=4), Grid(tp=2, cp=2, dp=2)
+    p = plan(Layout(enc, "(dp b) s h"), Layout(llm, "(dp b) s h"), {"b": 8, "s": 4, "h": 4})
+    (step,) = p.steps
+    # rank r holds encoder block r // 2 and needs LLM block r // 4 = encoder blocks
+    # {2k, 2k+1}: it pairs with the rank two away holding the other block.
+    assert step.groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+
+
+def test_partial_reduce_volume_is_bandwidth_optimal():
+    g = Grid(tp=4, dp=2)
+    p = plan(Layout(g, "(dp b) h", partial="tp"), Layout(g, "(dp b) (tp h)"), {"b": 4, "h": 8})
+    (step,) = p.steps
+    assert isinstance(step, Reduce) and step.kind is Collective.REDUCE_SCATTER
+    region = 2 * 8  # each tp group reduces its b block: 2 x 8 elements
+    for rank in g.ranks:
+        assert p.bytes_recv[rank] == (4 - 1) * region // 4 * ITEM
+
+
+def test_plan_is_cached_and_deterministic():
+    case = CASES[5]
+    first = plan(case.src, case.dst, case.sizes)
+    assert plan(case.src, case.dst, dict(case.sizes)) is first
+    plan_cache.cache_clear()
+    again = plan(case.src, case.dst, case.sizes)
+    assert again is not first and again.steps == first.steps
+
+
+def test_plan_prints_one_step_per_line():
+    case = next(c for c in CASES if c.name == "pp_disjoint_to_cp")
+    p = plan(case.src, case.dst, case.sizes)
+    text = str(p)
+    steps = re.findall(r"^\s+\d+\. (\w+)", text, flags=re.M)
+    assert steps == [s.kind.value for s in p.steps] == ["all_to_all", "all_gather"]
+    assert "(dp b) (cp s) h [zigzag cp]" in text and "lower bound" in text
+
+
+def test_local_plan_prints_local_step():
+    case = next(c for c in CASES if c.name == "fan_out")
+    text = str(plan(case.src, case.dst, case.sizes))
+    assert re.search(r"^\s+1\. local", text, flags=re.M)
+
+
+def test_dtype_scales_bytes():
+    case = CASES[4]
+    p32 = plan(case.src, case.dst, case.sizes, torch.float32)
+    p16 = plan(case.src, case.dst, case.sizes, torch.bfloat16)
+    assert p32.max_recv == 2 * p16.max_recv > 0
