@@ -5,8 +5,9 @@ a partial TP input made TP-sharded, pipelined disjoint grids) and each world siz
 prints:
 
 - plan ms: cold planning time (wall clock), best of 3. Before every timed call the plan
-  cache is cleared (``mimo_fx.plan._plan.cache_clear()``) and the grids and layouts are
-  built afresh (untimed), so their cached properties are recomputed too.
+  cache is cleared (``_plan.cache_clear()`` of the module ``mimo_fx.plan``; the package
+  attribute ``mimo_fx.plan`` is the function) and the grids and layouts are built afresh
+  (untimed), so their cached properties are recomputed too.
 - cpu ms: the same calls' process CPU time, best of 3; steadier than the wall clock
   when other processes share the machine.
 - growth: time at N over time at N/8, wall / cpu. ~8x per 8x ranks is linear, ~64x
@@ -17,6 +18,10 @@ prints:
 - steps: the collective kinds in issue order, with the number of groups of each.
 - a2a pieces: transfers in all-to-all steps (gathers and reductions carry none).
 - max recv / lower bound: ``plan.max_recv`` and ``plan.max_lower_bound``, bytes per rank.
+
+The verdict (planning at 4096 ranks under 1 s) is judged on cpu time, the planner's own
+cost; the wall time is printed next to it. The header prints a calibration loop's time so
+absolute numbers can be scaled to another machine.
 
 Sizes: s = h = 4096, bf16 (2 bytes), b = the least common multiple of the src and dst
 dp sizes (one sample per rank of the wider data-parallel side). The pipelined case needs
@@ -181,16 +186,15 @@ def table_rows(rows: list[Row]) -> list[list[object]]:
         ratio = f"{p.max_recv / p.max_lower_bound:.2f}x" if p.max_lower_bound else "-"
         out.append([
             r.world, f"{r.plan_s * 1e3:.2f}", f"{r.cpu_s * 1e3:.2f}", growth,
-            f"{r.cost_s * 1e3:.2f}",
-            f"{r.cached_s * 1e6:.2f}", _steps(p), _pieces(p), _fmt_bytes(p.max_recv),
+            f"{r.cost_s * 1e3:.2f}", f"{r.cached_s * 1e6:.2f}", _steps(p), _pieces(p),
+            _fmt_bytes(p.max_recv),
             f"{_fmt_bytes(p.max_lower_bound)} ({ratio})",
         ])
     return out
 
 
 HEADERS = ["world", "plan ms (cold)", "cpu ms", "growth vs N/8", "cost ms", "cached µs",
-           "steps",
-           "a2a pieces", "max recv", "lower bound (recv/LB)"]
+           "steps", "a2a pieces", "max recv", "lower bound (recv/LB)"]
 
 
 def verdict(name: str, rows: list[Row]) -> str:
@@ -202,9 +206,10 @@ def verdict(name: str, rows: list[Row]) -> str:
     last = timed[-1] if timed else None
     if last is None or last.world != 4096:
         return f"{name}: 4096 ranks not run (--quick); {growth}"
-    ok = last.plan_s < LIMIT_S
-    return (f"{name}: planning at 4096 ranks {last.plan_s * 1e3:.0f} ms "
-            f"{'<' if ok else '>='} 1 s -> {'OK' if ok else 'TOO SLOW'}; {growth}")
+    ok = last.cpu_s < LIMIT_S
+    return (f"{name}: planning at 4096 ranks {last.cpu_s * 1e3:.0f} ms cpu "
+            f"({last.plan_s * 1e3:.0f} ms wall) {'<' if ok else '>='} 1 s -> "
+            f"{'OK' if ok else 'TOO SLOW'}; {growth}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -215,9 +220,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     worlds = QUICK_WORLDS if args.quick else WORLDS
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    calib = min(timeit.repeat("sum(range(10000))", number=100, repeat=5)) / 100
     print(f"plan() speed; s=h={S}, itemsize={ITEMSIZE}, b=lcm(dp sizes); cold = best of "
-          f"{args.repeat} with the plan cache cleared and fresh layouts; "
-          f"{os.cpu_count()} CPUs, load average {load}\n")
+          f"{args.repeat} with the plan cache cleared and fresh layouts")
+    print(f"machine: {os.cpu_count()} CPUs, load average {load}; calibration "
+          f"sum(range(10000)) = {calib * 1e6:.0f} µs (about 100 µs on a recent desktop)\n")
     for _, build in CASES:  # warm-up: import-time and first-call costs, untimed
         measure(build, 64, 1)
     verdicts = []

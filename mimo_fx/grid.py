@@ -95,13 +95,22 @@ class Grid:
         return dict(zip(self.names, self.coord_tuple(rank)))
 
     def coord_tuple(self, rank: int) -> tuple[int, ...]:
-        if rank not in self:
+        """The coordinate of ``rank`` as a tuple in axis order (table lookup)."""
+        local = rank - self.offset if isinstance(rank, int) else -1
+        if not 0 <= local < self.size:
             raise MimoFxError(
                 f"rank {rank!r} is not in {self!r}, which holds ranks "
                 f"{self.ranks.start}..{self.ranks.stop - 1}"
             )
-        local = rank - self.offset
-        return tuple((local // stride) % size for stride, size in zip(self.strides, self.sizes))
+        return self._coords[local]
+
+    @cached_property
+    def _coords(self) -> tuple[tuple[int, ...], ...]:
+        """Every rank's coordinate, computed once: planners look them up per rank."""
+        return tuple(
+            tuple((local // stride) % size for stride, size in zip(self.strides, self.sizes))
+            for local in range(self.size)
+        )
 
     def rank(self, **coord: int) -> int:
         """The rank at ``coord``; every axis must be given."""

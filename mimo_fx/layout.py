@@ -81,8 +81,8 @@ class Layout:
         groups = _parse(pattern, grid)
         object.__setattr__(self, "grid", grid)
         object.__setattr__(self, "pattern", " ".join(_format_group(g) for g in groups))
-        object.__setattr__(self, "partial", partial)
-        object.__setattr__(self, "zigzag", zigzag)
+        object.__setattr__(self, "partial", _grid_order(partial, grid))
+        object.__setattr__(self, "zigzag", _grid_order(zigzag, grid))
         object.__setattr__(self, "at", _normalise_at(at, grid, self.pattern))
         object.__setattr__(self, "_groups", groups)
         self._check_axes_usage()
@@ -122,7 +122,13 @@ class Layout:
 
     @cached_property
     def holders(self) -> tuple[int, ...]:
-        return tuple(r for r in self.grid.ranks if self.holds(r))
+        """The ranks holding a piece, in rank order."""
+        if not self.at:
+            return tuple(self.grid.ranks)
+        pinned = [(self.grid.axis_index(a), i) for a, i in self.at]
+        coords = self.grid._coords
+        return tuple(r for r in self.grid.ranks
+                     if all(coords[r - self.grid.offset][k] == i for k, i in pinned))
 
     # -- validation ----------------------------------------------------------------------
     def _check_axes_usage(self) -> None:
@@ -273,6 +279,14 @@ def _parse_group(raw, grid, seen_axes, seen_dims, fail) -> tuple[Factor, ...]:
 def _format_group(group: tuple[Factor, ...]) -> str:
     tokens = [t for f in group for t in (*f.axes, f.dim)]
     return tokens[0] if len(tokens) == 1 else f"({' '.join(tokens)})"
+
+
+def _grid_order(axes: tuple[str, ...], grid: Grid) -> tuple[str, ...]:
+    """Axes in grid order, so equal layouts compare (and cache) equal; unknown axes keep
+    their place for the validation that names them."""
+    known = [a for a in grid.names if a in axes]
+    return tuple(known) + tuple(a for a in axes if a not in grid.names) \
+        if len(set(axes)) == len(axes) else axes
 
 
 def _normalise_at(at, grid: Grid, pattern: str) -> tuple[tuple[str, int], ...]:

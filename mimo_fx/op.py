@@ -63,10 +63,10 @@ def redistribute(x, src: Layout, dst: Layout, *, grad_partial=(), **sizes):
     >>> from mimo_fx.reference import shard
     >>> src = Layout(Grid(tp=2, dp=2), "(dp b) h")
     >>> dst = Layout(Grid(tp=2, dp=2), "b (tp h)")
-    >>> x = torch.arange(12.0).reshape(4, 3)
+    >>> x = torch.arange(8.0).reshape(4, 2)
     >>> y = redistribute(shard(x, src), src, dst)
     >>> sorted(y), y[1].tolist()
-    ([0, 1, 2, 3], [[1.0], [4.0], [7.0], [10.0]])
+    ([0, 1, 2, 3], [[1.0], [3.0], [5.0], [7.0]])
     """
     if isinstance(x, Mapping):
         from .reference import redistribute as reference_redistribute

@@ -391,8 +391,13 @@ def _reduce_scatter(src: Layout, hold: Tiling, axes: tuple[str, ...], need: Tili
     reduce-scatter and nothing else."""
     groups = tuple(g for g in src.grid.groups(axes) if src.holds(g[0]))
     longest = _longest_dim(hold, groups[0][0])
+    extents = dict(zip(hold.dims, (sum(b - a for a, b in seg)
+                                   for seg in hold.segments(groups[0][0]))))
+    k = len(groups[0])
+    hinted = {d for d, run in dst.sharding.items() if set(run) & set(axes)}
+    order = sorted(enumerate(hold.dims), key=lambda e: (e[1] not in hinted, e[1] != longest))
     best = None
-    for index, dim in enumerate(hold.dims):
+    for index, dim in order:
         refined = hold.refine(dim, axes)
         parts = tuple(tuple(refined.boxes(r) for r in g) for g in groups)
         transfers = _exchange(refined, need, dst, dst.partial)
@@ -406,6 +411,8 @@ def _reduce_scatter(src: Layout, hold: Tiling, axes: tuple[str, ...], need: Tili
         cost = (max(recv.values(), default=0), exchanged, dim != longest, index)
         if best is None or cost < best[0]:
             best = (cost, refined, parts, transfers)
+        if not transfers and extents[dim] % k == 0:
+            break  # a balanced reduce-scatter that leaves nothing to move: optimal
     _, refined, parts, transfers = best
     regions = tuple(hold.boxes(g[0]) for g in groups)
     return refined, Reduce(Collective.REDUCE_SCATTER, groups, regions, parts), transfers
@@ -419,46 +426,54 @@ def _two_phase(dst: Layout, need: Tiling, axes: tuple[str, ...]) -> tuple[Tiling
     return refined, Gather(groups, parts)
 
 
-def _mixed_index(coord: dict[str, int], axes: tuple[str, ...], grid) -> int:
-    """Index of ``coord`` over ``axes``, the first axis fastest."""
-    index, stride = 0, 1
-    for a in axes:
-        index += coord[a] * stride
-        stride *= grid.axis_size(a)
-    return index
-
-
 def _exchange(hold: Tiling, need: Tiling, dst: Layout, kept: tuple[str, ...]) -> list[Transfer]:
-    """For every needed sub-box a rank does not hold, one sender among the holders."""
+    """For every needed sub-box a rank does not hold, one sender among the holders.
+
+    The sender is the receiver's own replica when the receiver is on the src grid (so
+    colocated exchanges pair up into all-gathers), else a round-robin choice over the
+    replicas keyed by the receiver's replica index and shard, to spread the load.
+    """
     src_grid, dst_grid = hold.grid, need.grid
-    need_free = tuple(a for a in need.free_axes if a not in kept)
-    need_owning = tuple(a for t in need.tilings for a in t.axes)
+    kept_pos = [(src_grid.axis_index(a), dst_grid.axis_index(a)) for a in kept]
+    need_free = [dst_grid.axis_index(a) for a in need.free_axes if a not in kept]
+    need_owning = [dst_grid.axis_index(a) for t in need.tilings for a in t.axes]
+    free = [src_grid.axis_index(a) for a in hold.free_axes if a not in kept]
+    free_sizes = [src_grid.sizes[k] for k in free]
+    replicas = prod(free_sizes)
+    strides, offset = src_grid.strides, src_grid.offset
     transfers = []
     for rank in dst.holders:
-        coord = dst_grid.coord(rank)
-        own = src_grid.coord(rank) if hold.holds(rank) else None
-        replica = _mixed_index(coord, need_free, dst_grid)
-        salt = replica + _mixed_index(coord, need_owning, dst_grid)
+        coord = dst_grid.coord_tuple(rank)
+        own = src_grid.coord_tuple(rank) if hold.holds(rank) else None
+        salt = _mixed_index(coord, need_free, dst_grid) + _mixed_index(coord, need_owning,
+                                                                        dst_grid)
         ordinal = 0
         for box in need.boxes(rank):
             for sub, fixed in hold.owner_coords(box):
-                for a in kept:
-                    fixed[a] = coord[a]
-                if own is not None and all(own[a] == v for a, v in fixed.items()):
-                    continue
-                free = [a for a in hold.free_axes if a not in fixed]
+                fixed.extend((k, coord[d]) for k, d in kept_pos)
                 if own is not None:
-                    choice = {a: own[a] for a in free}
+                    if all(own[k] == v for k, v in fixed):
+                        continue  # the receiver holds it already
+                    sender = rank - sum(own[k] * strides[k] for k, _ in fixed) + sum(
+                        v * strides[k] for k, v in fixed)
                 else:
-                    sizes = [src_grid.axis_size(a) for a in free]
-                    j = (salt + ordinal) % prod(sizes)
-                    choice = {}
-                    for a, n in zip(free, sizes):
-                        j, choice[a] = divmod(j, n)
+                    j = (salt + ordinal) % replicas
+                    sender = offset + sum(v * strides[k] for k, v in fixed)
+                    for k, n in zip(free, free_sizes):
+                        j, c = divmod(j, n)
+                        sender += c * strides[k]
                 ordinal += 1
-                sender = src_grid.rank_of(tuple({**fixed, **choice}[a] for a in src_grid.names))
                 transfers.append(Transfer(sender, rank, sub))
     return transfers
+
+
+def _mixed_index(coord: tuple[int, ...], positions: list[int], grid) -> int:
+    """Index of ``coord`` over the axes at ``positions``, the first fastest."""
+    index, stride = 0, 1
+    for k in positions:
+        index += coord[k] * stride
+        stride *= grid.sizes[k]
+    return index
 
 
 def _classify(transfers: list[Transfer], src: Layout, dst: Layout) -> Step:

@@ -170,22 +170,28 @@ class Tiling:
         pinned = {a for a, _ in self.pinned}
         return tuple(a for a in self.grid.names if a not in self.owning_axes and a not in pinned)
 
+    @cached_property
+    def _positions(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, int], ...]]:
+        """Grid positions of every dim's owning axes, and of the pinned axes."""
+        index = self.grid.axis_index
+        return (tuple(tuple(index(a) for a in t.axes) for t in self.tilings),
+                tuple((index(a), i) for a, i in self.pinned))
+
     def holds(self, rank: int) -> bool:
         if rank not in self.grid:
             return False
         if not self.pinned:
             return True
-        coord = self.grid.coord(rank)
-        return all(coord[a] == i for a, i in self.pinned)
+        coord = self.grid.coord_tuple(rank)
+        return all(coord[k] == i for k, i in self._positions[1])
 
     def segments(self, rank: int) -> tuple[tuple[Interval, ...], ...]:
         """Per dim, the intervals ``rank`` holds, in local order (empty if it holds none)."""
-        coord = self.grid.coord(rank)
-        out = []
-        for tiling in self.tilings:
-            owner = tuple(coord[a] for a in tiling.axes)
-            out.append(tiling.by_owner.get(owner, ()))
-        return tuple(out)
+        coord = self.grid.coord_tuple(rank)
+        return tuple(
+            tiling.by_owner.get(tuple(coord[k] for k in positions), ())
+            for tiling, positions in zip(self.tilings, self._positions[0])
+        )
 
     def boxes(self, rank: int) -> tuple[Box, ...]:
         """The boxes ``rank`` holds (empty if it is off the pinned index)."""
@@ -199,13 +205,18 @@ class Tiling:
         tilings[i] = tilings[i].refine(axes, [self.grid.axis_size(a) for a in axes])
         return Tiling(self.grid, self.dims, tuple(tilings), self.pinned)
 
-    def owner_coords(self, box: Box) -> list[tuple[Box, dict[str, int]]]:
-        """Cut ``box`` at this tiling's bounds: ``[(sub_box, fixed axis coords), ...]``."""
+    def owner_coords(self, box: Box) -> list[tuple[Box, list[tuple[int, int]]]]:
+        """Cut ``box`` at this tiling's bounds: ``[(sub_box, [(axis position, index)])]``.
+
+        The fixed coordinates cover the owning and pinned axes; holders of the sub-box
+        are all ranks with those coordinates, whatever their free axes.
+        """
         per_dim = [t.split(lo, hi) for t, (lo, hi) in zip(self.tilings, box)]
+        positions, pinned = self._positions
         out = []
         for combo in product(*per_dim):
-            coord = dict(self.pinned)
-            for tiling, (_, owner) in zip(self.tilings, combo):
-                coord.update(zip(tiling.axes, owner))
-            out.append((tuple(iv for iv, _ in combo), coord))
+            fixed = list(pinned)
+            for pos, (_, owner) in zip(positions, combo):
+                fixed.extend(zip(pos, owner))
+            out.append((tuple(iv for iv, _ in combo), fixed))
         return out

@@ -7,11 +7,11 @@ import re
 
 import pytest
 import torch
-from mimo_fx.reference import redistribute, shard
 
 from mimo_fx import Grid, Layout, MimoFxError
 from mimo_fx.layout import Factor
 from mimo_fx.plan import plan
+from mimo_fx.reference import redistribute, shard
 
 G = Grid(tp=2, cp=2, dp=2)
 GP = Grid(tp=2, pp=3, offset=10)

@@ -6,9 +6,9 @@ from itertools import product
 
 import pytest
 import torch
-from mimo_fx.reference import shard, unshard
 
 from mimo_fx import Grid, Layout, MimoFxError
+from mimo_fx.reference import shard, unshard
 
 
 def coords(axes: dict[str, int], offset: int = 0):
@@ -55,6 +55,9 @@ CASES = {
     "dp_cp_b-uneven": (
         {"tp": 2, "cp": 2, "dp": 2}, 0, "(dp cp b) s", {}, (7, 2),
         lambda x, c: x[[[0, 1], [2, 3], [4, 5], [6]][2 * c["dp"] + c["cp"]]], {}),
+    "dp_cp_b-6-over-4": (  # tensor_split sizes 2,2,1,1 (torch.chunk would give 2,2,2)
+        {"cp": 2, "dp": 2}, 0, "(dp cp b) s", {}, (6, 2),
+        lambda x, c: x[[[0, 1], [2, 3], [4], [5]][2 * c["dp"] + c["cp"]]], {}),
     "zigzag-cp2": (
         {"cp": 2, "dp": 2}, 0, "(cp s) h", {"zigzag": "cp"}, (8, 3),
         lambda x, c: zigzag_rows(x, 2, c["cp"]), {}),
@@ -119,6 +122,8 @@ def test_uneven_piece_shapes_and_empty_piece():
     layout = Layout(Grid(dp=2), "(dp b) s h")
     got = shard(arange(5, 2, 2), layout)
     assert [got[r].shape[0] for r in range(2)] == [3, 2]
+    got = shard(arange(10, 1, 1), Layout(Grid(dp=4), "(dp b) s h"))
+    assert [got[r].flatten().tolist() for r in range(4)] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
 
 
 def test_zigzag_docstring_values():

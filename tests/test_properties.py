@@ -135,8 +135,6 @@ def test_plan_sends_exactly_the_lower_bound(pair):
         lower = int((need & ~held).sum()) * 4
         assert p.lower_bound[rank] == lower
         if src.partial:
-            if _reduction_divides(p):  # reductions split along a dim: slab granularity
-                assert p.bytes_recv.get(rank, 0) <= lower + p.reduction_bound.get(rank, 0)
             continue
         count = torch.zeros(need.shape, dtype=torch.int64)
         for box in got.get(rank, []):
@@ -145,6 +143,11 @@ def test_plan_sends_exactly_the_lower_bound(pair):
         assert p.bytes_recv.get(rank, 0) == lower
     if not src.partial:
         assert p.max_recv == p.max_lower_bound
+    elif _reduction_divides(p):  # reductions cut along a dim: slab granularity
+        # the peak receiver gets no more than the largest lower bound plus a
+        # bandwidth-optimal reduction (per rank the planner may trade one for the other)
+        assert p.max_recv <= max(p.lower_bound.get(r, 0) + p.reduction_bound.get(r, 0)
+                                 for r in set(p.lower_bound) | set(p.reduction_bound))
 
 
 def _reduction_divides(p) -> bool:
