@@ -1,0 +1,41 @@
+"""The command line: the sample bridge's plan, any layout pair, clear errors."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mimo_fx.__main__ import main
+
+
+def test_default_prints_sample_bridge_with_bytes_per_rank(capsys):
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    assert "(dp b) s h on Grid(tp=2, dp=4)" in out
+    assert "(dp b) (cp s) h [zigzag cp] on Grid(tp=2, cp=2, dp=2)" in out
+    rows = [line for line in out.splitlines() if re.match(r"\s*\d+\s+tp\d", line)]
+    assert len(rows) == 8
+    # b=8 s=4096 h=4096 bf16: each rank needs 2x2048x4096 and holds half of it -> 32 MiB
+    assert all("32.00 MiB" in row and row.rstrip().endswith("1.00") for row in rows)
+
+
+def test_pipelined_pair_on_disjoint_grids(capsys):
+    args = ["plan", "--src-grid", "tp=2,pp=2,dp=2", "--src-at", "pp=-1",
+            "--dst-grid", "tp=2,cp=2,dp=2,offset=8", "--sizes", "b=8,s=64,h=32"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^\s+1\. all_to_all over 16 ranks", out, flags=re.M)
+    assert re.search(r"^\s+2\. all_gather over \(8,9\)", out, flags=re.M)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--src-grid", "tp=2,dp"], "expected name=integer pairs"),
+    (["--src", "(dp b) s hh"], "must name the same dims"),
+    (["--dtype", "float99"], "not a torch dtype"),
+    (["--sizes", "b=8,s=4095,h=4"], "not divisible by 4"),
+    (["--dst-zigzag", "ep"], "unknown axis 'ep'"),
+])
+def test_errors_exit_2_with_message(args, message, capsys):
+    assert main(["plan", *args]) == 2
+    assert message in capsys.readouterr().err
