@@ -9,15 +9,17 @@ permutes dims), and say where a global box sits inside the canonical view.
 
 from __future__ import annotations
 
+from itertools import product
 from math import prod
 
 import torch
 
 from .errors import MimoFxError
 from .layout import Layout
-from .regions import Box, Tiling, split_bounds
+from .regions import Box, Tiling, intersect, split_bounds
 
-__all__ = ["to_canonical", "from_canonical", "local_shape", "box_slices", "infer_sizes"]
+__all__ = ["to_canonical", "from_canonical", "local_shape", "box_slices", "infer_sizes",
+           "take", "assemble", "Store"]
 
 
 def _extents(tiling: Tiling, rank: int) -> dict[str, int]:
@@ -141,3 +143,47 @@ def _local_extent(layout: Layout, factor, size: int, rank: int) -> int:
         return 2 * (size // (2 * parts))
     lo, hi = split_bounds(size, parts)[k]
     return hi - lo
+
+
+Store = list[tuple[Box, torch.Tensor]]
+
+
+def _rel(outer: Box, inner: Box) -> tuple[slice, ...]:
+    return tuple(slice(lo - a, hi - a) for (a, _), (lo, hi) in zip(outer, inner))
+
+
+def take(store: Store, box: Box) -> torch.Tensor:
+    """The values of ``box`` from stored ``(box, tensor)`` pieces: a view of the one piece
+    containing it, else a copy assembled from several."""
+    for held, tensor in store:
+        if all(a <= lo and hi <= b for (a, b), (lo, hi) in zip(held, box)):
+            return tensor[_rel(held, box)]
+    sample = store[0][1]
+    out = sample.new_empty([hi - lo for lo, hi in box])
+    for held, tensor in store:
+        inter = intersect(box, held)
+        if inter is not None:
+            out[_rel(box, inter)] = tensor[_rel(held, inter)]
+    return out
+
+
+def assemble(store: Store, segments, dtype: torch.dtype, device, check: bool = False):
+    """A canonical tensor holding ``segments`` (per dim), filled from ``store``.
+
+    With ``check`` every element must be covered (an executor's self-test).
+    """
+    shape = [sum(b - a for a, b in seg) for seg in segments]
+    out = torch.empty(shape, dtype=dtype, device=device)
+    filled = torch.zeros(shape, dtype=torch.bool) if check else None
+    for box in product(*segments):
+        for held, tensor in store:
+            inter = intersect(box, held)
+            if inter is None:
+                continue
+            where = box_slices(segments, inter)
+            out[where] = tensor[_rel(held, inter)]
+            if filled is not None:
+                filled[where] = True
+    if filled is not None:
+        assert bool(filled.all()), "plan left part of a dst piece unfilled"
+    return out

@@ -52,9 +52,13 @@ def apply(executor: Executor, fwd: Plan, bwd: Plan, tensors) -> tuple[torch.Tens
 def redistribute(x, src: Layout, dst: Layout, *, grad_partial=(), **sizes):
     """Move a tensor from layout ``src`` to layout ``dst``; differentiable.
 
-    ``x`` is a dict ``{rank: local tensor}`` holding every src rank's piece (the
-    reference backend runs the whole world in this process and returns a dict for the
-    dst ranks). ``sizes`` gives global dim sizes the local shapes cannot tell.
+    ``x`` is either this rank's local tensor (``None`` on ranks holding no src piece)
+    inside an initialised process group -- the compiled backend, see
+    :mod:`mimo_fx.compiled` -- or a dict ``{rank: local tensor}`` holding every src
+    rank's piece, which the reference backend runs for the whole world in this process,
+    returning a dict for the dst ranks. ``sizes`` gives global dim sizes the local shapes
+    cannot tell; compiled-backend options (``comm_dtype``, ``checked``, ``dtype``) pass
+    through ``sizes``' keywords.
     ``grad_partial`` names dst replicated axes whose cotangents are per-replica
     contributions to be summed (e.g. a zero-padding CP ``index_select``).
 
@@ -72,8 +76,9 @@ def redistribute(x, src: Layout, dst: Layout, *, grad_partial=(), **sizes):
         from .reference import redistribute as reference_redistribute
 
         return reference_redistribute(x, src, dst, grad_partial=grad_partial, **sizes)
-    raise MimoFxError(
-        "redistribute got a single local tensor, which needs the compiled backend "
-        "(torch.distributed); it is not available in this version. Pass a dict "
-        "{rank: local tensor} with every src rank's piece to run the reference backend"
-    )
+    if x is not None and not isinstance(x, torch.Tensor):
+        raise MimoFxError(f"redistribute takes a tensor, None, or a dict {{rank: tensor}}; "
+                          f"got {type(x).__name__}")
+    from .compiled import redistribute as compiled_redistribute
+
+    return compiled_redistribute(x, src, dst, grad_partial=grad_partial, **sizes)

@@ -14,33 +14,20 @@ import torch
 
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
-from mimo_fx.local import box_slices, from_canonical, infer_sizes, to_canonical
+from mimo_fx.local import (
+    Store,
+    assemble,
+    box_slices,
+    from_canonical,
+    infer_sizes,
+    take,
+    to_canonical,
+)
 from mimo_fx.op import apply
 from mimo_fx.plan import Exchange, Gather, Plan, Reduce, backward_plan, plan
-from mimo_fx.regions import Box, Tiling, intersect
+from mimo_fx.regions import Tiling
 
 __all__ = ["ReferenceExecutor", "redistribute"]
-
-Store = list[tuple[Box, torch.Tensor]]
-
-
-def _take(store: Store, box: Box) -> torch.Tensor:
-    """The values of ``box`` from the stored pieces (one that contains it, else several)."""
-    for held, tensor in store:
-        if all(a <= lo and hi <= b for (a, b), (lo, hi) in zip(held, box)):
-            return tensor[tuple(slice(lo - a, hi - a) for (a, _), (lo, hi) in zip(held, box))]
-    out = torch.empty([hi - lo for lo, hi in box], dtype=store[0][1].dtype)
-    filled = torch.zeros(out.shape, dtype=torch.bool)
-    for held, tensor in store:
-        inter = intersect(box, held)
-        if inter is not None:
-            dst_at = tuple(slice(lo - a, hi - a) for (a, _), (lo, hi) in zip(box, inter))
-            out[dst_at] = tensor[tuple(slice(lo - a, hi - a)
-                                       for (a, _), (lo, hi) in zip(held, inter))]
-            filled[dst_at] = True
-    assert bool(filled.all()), f"plan moves box {box} that the sender does not hold"
-    return out
-
 
 class ReferenceExecutor:
     """Executes plans on a tuple of pieces, one per src holder, in rank order."""
@@ -67,18 +54,18 @@ class ReferenceExecutor:
     @staticmethod
     def _reduce(step: Reduce, stores: dict[int, Store]) -> None:
         for group, region, parts in zip(step.groups, step.regions, step.parts):
-            summed = [torch.stack([_take(stores[r], box) for r in group]).sum(0)
+            summed = [torch.stack([take(stores[r], box) for r in group]).sum(0)
                       for box in region]
             full = list(zip(region, summed))
             for rank, part in zip(group, parts):
                 stores[rank] = full if step.kind.value == "all_reduce" else [
-                    (box, _take(full, box)) for box in part]
+                    (box, take(full, box)) for box in part]
 
     @staticmethod
     def _gather(step: Gather, stores: dict[int, Store]) -> None:
         incoming: dict[int, Store] = {}
         for group, parts in zip(step.groups, step.parts):
-            shares = [[(box, _take(stores[r], box)) for box in part]
+            shares = [[(box, take(stores[r], box)) for box in part]
                       for r, part in zip(group, parts)]
             for rank in group:
                 incoming[rank] = [p for share in shares for p in share]
@@ -89,27 +76,13 @@ class ReferenceExecutor:
     def _exchange(step: Exchange, stores: dict[int, Store]) -> None:
         incoming: dict[int, Store] = {}
         for t in step.transfers:
-            incoming.setdefault(t.dst, []).append((t.box, _take(stores[t.src], t.box)))
+            incoming.setdefault(t.dst, []).append((t.box, take(stores[t.src], t.box)))
         for rank, pieces in incoming.items():
             stores.setdefault(rank, []).extend(pieces)
 
     @staticmethod
     def _assemble(plan: Plan, rank: int, store: Store, dtype: torch.dtype) -> torch.Tensor:
-        segments = plan.need.segments(rank)
-        shape = [sum(b - a for a, b in seg) for seg in segments]
-        out = torch.empty(shape, dtype=dtype)
-        filled = torch.zeros(shape, dtype=torch.bool)
-        for box in product(*segments):
-            where = box_slices(segments, box)
-            for held, tensor in store:
-                inter = intersect(box, held)
-                if inter is None:
-                    continue
-                dst_at = box_slices(segments, inter)
-                src_at = tuple(slice(lo - a, hi - a) for (a, _), (lo, hi) in zip(held, inter))
-                out[dst_at] = tensor[src_at]
-                filled[dst_at] = True
-            assert bool(filled[where].all()), f"rank {rank}: box {box} not fully received"
+        out = assemble(store, plan.need.segments(rank), dtype, "cpu", check=True)
         return from_canonical(out, plan.dst, plan.dims)
 
 

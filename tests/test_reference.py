@@ -147,9 +147,9 @@ def test_public_op_dispatches_dicts_to_reference():
         assert torch.equal(y[rank], piece)
 
 
-def test_public_op_single_tensor_without_compiled_backend_raises():
+def test_public_op_single_tensor_without_process_group_raises():
     case = CASES[4]
-    with pytest.raises(mimo_fx.MimoFxError, match="compiled backend"):
+    with pytest.raises(mimo_fx.MimoFxError, match="torch.distributed"):
         mimo_fx.redistribute(torch.zeros(2, 8, 6), case.src, case.dst)
 
 
