@@ -24,9 +24,11 @@ from mimo_fx.layout import Layout
 from mimo_fx.local import infer_sizes, local_shape
 from mimo_fx.op import apply
 from mimo_fx.plan import backward_plan, plan
+from mimo_fx.regions import Tiling
 
 from .executor import CompiledExecutor
 from .groups import acquire, group_name, live_groups, plan_groups, release
+from .lower import lower
 
 __all__ = ["Redistributor", "prepare", "redistribute", "destroy", "live_groups",
            "CompiledExecutor"]
@@ -76,15 +78,13 @@ class Redistributor:
         self.device = torch.device(device) if device is not None else _default_device()
         self.executor = CompiledExecutor(self.rank, comm_dtype)
         self.involved = self.rank in self.union
-        self._src_shape = (local_shape(src, self.fwd_src_tiling(), self.rank)
-                           if src.holds(self.rank) else None)
+        self._fwd_program = lower(self.fwd, self.rank)
+        self._bwd_program = lower(self.bwd, self.rank)
+        self._union_group = group_name(self.union) if checked and len(self.union) > 1 else None
+        self._src_shape = (local_shape(src, Tiling.of(src, self.fwd.dims, self.sizes),
+                                       self.rank) if src.holds(self.rank) else None)
         self._fingerprint = zlib.crc32(
             repr((src, dst, sorted(self.sizes.items()), str(dtype))).encode()) & 0x7FFFFFFF
-
-    def fwd_src_tiling(self):
-        from mimo_fx.regions import Tiling
-
-        return Tiling.of(self.src, self.fwd.dims, self.sizes)
 
     def __call__(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's dst piece (empty where it holds none; None off both grids)."""
@@ -104,7 +104,7 @@ class Redistributor:
         elif x.dtype != self.dtype:
             raise MimoFxError(f"rank {self.rank}: tensor dtype {x.dtype} differs from the "
                               f"prepared dtype {self.dtype}; prepare with dtype={x.dtype}")
-        (y,) = apply(self.executor, self.fwd, self.bwd, (x,))
+        (y,) = apply(self.executor, self._fwd_program, self._bwd_program, (x,))
         return y
 
     def _check(self, x: torch.Tensor | None) -> None:
@@ -115,8 +115,8 @@ class Redistributor:
                     else self._src_shape is None)
         mine = torch.tensor([self._fingerprint, int(shape_ok)], dtype=torch.int64,
                             device=self.device)
-        if len(self.union) > 1:
-            every = fc.wait_tensor(fc.all_gather_tensor(mine, 0, group_name(self.union)))
+        if self._union_group is not None:
+            every = fc.wait_tensor(fc.all_gather_tensor(mine, 0, self._union_group))
         else:
             every = mine
         every = every.view(-1, 2).tolist()

@@ -16,21 +16,20 @@ import torch
 
 from .errors import MimoFxError
 from .layout import Layout
-from .plan import Plan
 
 __all__ = ["Executor", "apply", "redistribute"]
 
 
 class Executor(Protocol):
-    """Runs a plan on local tensors: one per src holder it serves, in rank order."""
+    """Runs a plan, or its lowered form, on local tensors (one per src holder it serves)."""
 
-    def run(self, plan: Plan, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def run(self, plan, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         ...
 
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(executor, fwd: Plan, bwd: Plan, *tensors):
+    def forward(executor, fwd, bwd, *tensors):
         return tuple(executor.run(fwd, tensors))
 
     @staticmethod
@@ -44,8 +43,9 @@ class _Redistribute(torch.autograd.Function):
         return (None, None, None, *out)
 
 
-def apply(executor: Executor, fwd: Plan, bwd: Plan, tensors) -> tuple[torch.Tensor, ...]:
-    """Run ``fwd`` through the custom vjp whose backward runs ``bwd``."""
+def apply(executor: Executor, fwd, bwd, tensors) -> tuple[torch.Tensor, ...]:
+    """Run ``fwd`` through the custom vjp whose backward runs ``bwd`` (plans or their
+    lowered per-rank programs, whatever the executor runs)."""
     return _Redistribute.apply(executor, fwd, bwd, *tensors)
 
 
