@@ -116,7 +116,8 @@ class Redistributor:
         mine = torch.tensor([self._fingerprint, int(shape_ok)], dtype=torch.int64,
                             device=self.device)
         if self._union_group is not None:
-            every = fc.wait_tensor(fc.all_gather_tensor(mine, 0, self._union_group))
+            gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+            every = fc.wait_tensor(gather(mine, 0, self._union_group))
         else:
             every = mine
         every = every.view(-1, 2).tolist()
