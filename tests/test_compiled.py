@@ -34,24 +34,26 @@ def _expected_calls(plan, rank: int) -> int:
     return calls
 
 
-def _run_case(rank: int, case: Case, counter: dict) -> str | None:
+def _run_case(rank: int, case: Case, counter: dict, device: str = "cpu") -> str | None:
     from mimo_fx.compiled import Redistributor
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn([case.sizes[d] for d in case.src.dims], generator=gen, dtype=torch.float64)
     g = torch.randn([case.sizes[d] for d in case.dst.dims], generator=gen, dtype=torch.float64)
-    bridge = Redistributor(case.src, case.dst, case.sizes, torch.float64)
+    bridge = Redistributor(case.src, case.dst, case.sizes, torch.float64, device=device)
     try:
         local = shard(x, case.src).get(rank)
         if local is not None:
-            local.requires_grad_()
+            local = local.to(device).requires_grad_()
         counter.clear()
-        y = bridge(local)
+        y_dev = bridge(local)
+        y = y_dev
         fwd_calls = sum(counter.values())
         if rank not in bridge.union:
             return None if y is None else f"rank {rank} off both grids got {y!r}"
         x_dst = x.permute([case.src.dims.index(d) for d in case.dst.dims])
         expected = shard(x_dst, case.dst).get(rank) if not case.dst.partial else None
+        y = y.cpu()
         if expected is not None:
             same = (torch.allclose(y, expected) if case.src.partial
                     else torch.equal(y, expected))
@@ -64,19 +66,19 @@ def _run_case(rank: int, case: Case, counter: dict) -> str | None:
                    f"{_expected_calls(bridge.fwd, rank)}"
         cot = shard(g, _star(case.dst)).get(rank)
         counter.clear()
-        y.backward(cot if cot is not None else torch.zeros_like(y))
+        y_dev.backward(cot.to(device) if cot is not None else torch.zeros_like(y_dev))
         if sum(counter.values()) != _expected_calls(bridge.bwd, rank):
             return f"rank {rank}: backward issued {sum(counter.values())} collectives"
         if local is not None:
             g_src = g.permute([case.dst.dims.index(d) for d in case.src.dims])
-            if not torch.equal(local.grad, shard(g_src, _star(case.src))[rank]):
+            if not torch.equal(local.grad.cpu(), shard(g_src, _star(case.src))[rank]):
                 return f"input gradient differs on rank {rank}"
         return None
     finally:
         bridge.destroy()
 
 
-def _table_on_world(rank: int, world: int, names: list[str]) -> dict:
+def _table_on_world(rank: int, world: int, names: list[str], device: str = "cpu") -> dict:
     import torch.distributed._functional_collectives as fc
 
     import mimo_fx.compiled.executor as executor
@@ -100,7 +102,8 @@ def _table_on_world(rank: int, world: int, names: list[str]) -> dict:
     for case in CASES:
         if case.name in names:
             try:
-                out[case.name] = _run_case(rank, case, counter)
+                out[case.name] = _run_case(rank, case, counter,
+                                           device if device == "cpu" else f"cuda:{rank}")
             except Exception as err:  # report per case; keep the world going
                 out[case.name] = f"{type(err).__name__}: {err}"
     out["__live_groups__"] = live_groups()
@@ -120,3 +123,16 @@ def test_table_case_on_gloo(table_results, case: Case):
 
 def test_bridges_release_their_groups(table_results):
     assert [r["__live_groups__"] for r in table_results] == [0] * WORLD
+
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA devices (NCCL)")
+def test_table_sample_on_nccl():
+    """The same executor on NCCL: device placement follows the input tensor."""
+    world = min(GPUS, WORLD)
+    names = [c.name for c in SAMPLE if c.world <= world]
+    results = run_world(world, _table_on_world, names, "cuda", backend="nccl")
+    problems = {n: [r[n] for r in results if r[n] is not None] for n in names}
+    assert not any(problems.values()), {n: p[:2] for n, p in problems.items() if p}

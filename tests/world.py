@@ -26,11 +26,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, backend: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     result: object
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         try:
             result = fn(rank, world, *args)
@@ -42,10 +46,12 @@ def _worker(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
         pickle.dump(result, f)
 
 
-def run_world(world: int, fn, *args, timeout: float = 300.0) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; results by rank."""
+def run_world(world: int, fn, *args, timeout: float = 300.0, backend: str = "gloo") -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes (gloo, or nccl with one GPU
+    per rank); results by rank."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), fn, args, out_dir),
+        ctx = mp.start_processes(_worker,
+                                 args=(world, _free_port(), fn, args, out_dir, backend),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:
