@@ -8,7 +8,8 @@ collectives in the same order.
 How a plan is built:
 
 1. *Reduce*: partial src axes (unless dst keeps them partial) are reduce-scattered inside
-   their group, the region cut along its longest dim, so each element crosses once.
+   their group, the region cut along the dim that leaves the least peak traffic after
+   it, so each element crosses once.
 2. *Exchange*: every dst rank asks, box by box, for what it needs and does not hold; the
    sender is chosen among the replicas holding the box (the receiver's own replica when
    it is on the src grid, else round-robin). When the grids are disjoint and dst
@@ -104,9 +105,13 @@ class Exchange:
 Step = Reduce | Gather | Exchange
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
-    """A schedule of steps plus the tilings that define what every rank holds and needs."""
+    """A schedule of steps plus the tilings that define what every rank holds and needs.
+
+    Compared and hashed by identity: plans are cached, and equal inputs return the same
+    object.
+    """
 
     src: Layout
     dst: Layout
@@ -133,16 +138,14 @@ class Plan:
             for g, ranks in enumerate(step.groups):
                 vols = [sum(map(box_volume, part)) for part in step.parts[g]]
                 k, total = len(ranks), sum(vols)
-                if isinstance(step, Reduce):
-                    region = sum(map(box_volume, step.regions[g]))
-                    for rank, vol in zip(ranks, vols):
-                        rs_recv, rs_sent = (k - 1) * vol, region - vol
-                        ag = (total - vol, (k - 1) * vol)
-                        both = step.kind is Collective.ALL_REDUCE
-                        recv[rank] += rs_recv + (ag[0] if both else 0)
-                        sent[rank] += rs_sent + (ag[1] if both else 0)
-                else:
-                    for rank, vol in zip(ranks, vols):
+                reduce = isinstance(step, Reduce)
+                region = sum(map(box_volume, step.regions[g])) if reduce else 0
+                gather = not reduce or step.kind is Collective.ALL_REDUCE
+                for rank, vol in zip(ranks, vols):
+                    if reduce:  # reduce-scatter: receive k-1 partials of my share
+                        recv[rank] += (k - 1) * vol
+                        sent[rank] += region - vol
+                    if gather:  # all-gather (an all-reduce's second half)
                         recv[rank] += total - vol
                         sent[rank] += (k - 1) * vol
         b = self.itemsize
