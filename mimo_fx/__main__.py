@@ -19,7 +19,7 @@ from tabulate import tabulate
 from .errors import MimoFxError
 from .grid import Grid
 from .layout import Layout
-from .plan import Plan, plan
+from .plan import Plan, format_bytes, plan
 
 __all__ = ["main"]
 
@@ -49,12 +49,8 @@ def _layout(args, side: str) -> Layout:
                   at=at, zigzag=_names(getattr(args, f"{side}_zigzag")))
 
 
-def _fmt(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
+def _fmt2(n: int) -> str:
+    return format_bytes(n, 2)
 
 
 def rank_table(p: Plan) -> str:
@@ -67,8 +63,8 @@ def rank_table(p: Plan) -> str:
     for r in ranks:
         lower = p.lower_bound.get(r)
         recv = p.bytes_recv.get(r, 0)
-        rows.append([r, coord(p.src.grid, r), coord(p.dst.grid, r), _fmt(p.bytes_sent.get(r, 0)),
-                     _fmt(recv), "-" if lower is None else _fmt(lower),
+        rows.append([r, coord(p.src.grid, r), coord(p.dst.grid, r), _fmt2(p.bytes_sent.get(r, 0)),
+                     _fmt2(recv), "-" if lower is None else _fmt2(lower),
                      "-" if not lower else f"{recv / lower:.2f}"])
     return tabulate(rows, disable_numparse=True,
                     headers=["rank", "src coord", "dst coord", "sent", "received",

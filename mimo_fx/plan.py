@@ -45,7 +45,7 @@ from .regions import Box, Tiling, box_volume, intersect
 
 __all__ = [
     "Collective", "Transfer", "Reduce", "Gather", "Exchange", "Plan", "plan", "backward_plan",
-    "check_sizes",
+    "check_sizes", "format_bytes",
 ]
 
 
@@ -237,9 +237,9 @@ class Plan:
         for i, step in enumerate(self.steps, 1):
             lines.append(f"  {i}. {self._describe_step(step)}")
         lines.append(
-            f"  cost: max recv {_fmt_bytes(self.max_recv)}/rank (lower bound "
-            f"{_fmt_bytes(self.max_lower_bound)}), max sent {_fmt_bytes(self.max_sent)}/rank, "
-            f"total {_fmt_bytes(self.total_bytes)}, {len(self.steps)} collective(s)"
+            f"  cost: max recv {format_bytes(self.max_recv)}/rank (lower bound "
+            f"{format_bytes(self.max_lower_bound)}), max sent {format_bytes(self.max_sent)}/rank, "
+            f"total {format_bytes(self.total_bytes)}, {len(self.steps)} collective(s)"
         )
         return "\n".join(lines)
 
@@ -267,10 +267,11 @@ def _fmt_groups(groups) -> str:
     return shown + more
 
 
-def _fmt_bytes(n: int) -> str:
+def format_bytes(n: float, digits: int = 1) -> str:
+    """``n`` bytes in B, KiB, MiB or GiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
     raise AssertionError
 

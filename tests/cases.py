@@ -97,6 +97,8 @@ CASES: list[Case] = [
     Case("pp_disjoint_to_cp", L(Grid(tp=2, pp=2, dp=2), "(dp b) s h", at={"pp": -1}),
          L(Grid(tp=2, cp=2, dp=2, offset=8), "(dp b) (cp s) h", **ZZ), BSH,
          ("pp", "disjoint", "cp")),
+    Case("pp_disjoint_world8", L(Grid(tp=2, pp=2), "b s (tp h)", at={"pp": -1}),
+         L(Grid(tp=2, pp=2, offset=4), "(tp b) s h", at={"pp": 0}), BSH, ("pp", "disjoint")),
     Case("disjoint_fan_out", L(Grid(tp=2, dp=2), "(dp b) s h"),
          L(Grid(dp=4, offset=4), "(dp b) s h"), BSH, ("disjoint",)),
     Case("disjoint_fan_in_tp4", L(Grid(dp=4), "(dp b) s h"),
