@@ -191,3 +191,8 @@ def destroy() -> None:
     for bridge in _PREPARED.values():
         bridge.destroy()
     _PREPARED.clear()
+
+
+from .bridge import Bridge  # noqa: E402  (a Redistributor subclass; needs it defined)
+
+__all__ += ["Bridge"]

@@ -132,6 +132,8 @@ def _features(rank: int, world: int) -> dict:
     out["checked_ok_call"] = None if torch.equal(y, shard(x, DST)[rank]) else "differs"
     bridge.destroy()
 
+    out["pipelined_bridge"] = _pipeline_schedule(rank)
+
     # unprepared groups under torch.compile: a clear error, not a hang
     import torch._dynamo as dynamo
 
@@ -155,6 +157,39 @@ def _features(rank: int, world: int) -> dict:
     destroy_all()  # idempotent
     out["registry_empty"] = None if live_groups() == 0 else f"{live_groups()} groups left"
     return out
+
+
+def _pipeline_schedule(rank: int, microbatches: int = 3) -> str | None:
+    """A 1F1B-style schedule over a Bridge on disjoint grids: the encoder (ranks 0-1,
+    TP-sharded columns) sends microbatch activations to the LLM (ranks 2-3, batch split
+    over dp) and receives their gradients, with the combined calls."""
+    from mimo_fx.compiled import Bridge
+    from mimo_fx.reference import shard
+
+    enc = Layout(Grid(tp=2), "b (tp h)")
+    llm = Layout(Grid(dp=2, offset=2), "(dp b) h")
+    bridge = Bridge(enc, llm, SIZES)
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(SIZES["b"], SIZES["h"], generator=gen) for _ in range(microbatches)]
+    ws = [torch.randn(SIZES["b"], SIZES["h"], generator=gen) for _ in range(microbatches)]
+    problems = []
+    if rank < 2:  # encoder side: sfrb(x_i) = forward i, then its gradient
+        for i, x in enumerate(xs):
+            grad = bridge.send_forward_recv_backward(shard(x, enc)[rank])
+            if not torch.equal(grad, shard(ws[i], enc)[rank]):
+                problems.append(f"microbatch {i}: wrong gradient on encoder rank {rank}")
+    else:  # LLM side: recv_forward, then sbrf(g_i) = backward i, forward i+1
+        y = bridge.recv_forward()
+        for i in range(microbatches):
+            if not torch.equal(y.detach(), shard(xs[i], llm)[rank]):
+                problems.append(f"microbatch {i}: wrong activation on LLM rank {rank}")
+            (y * shard(ws[i], llm)[rank]).sum().backward()
+            if i + 1 < microbatches:
+                y = bridge.send_backward_recv_forward(y.grad)
+            else:
+                bridge.send_backward(y.grad)
+    bridge.destroy()
+    return "; ".join(problems) or None
 
 
 def _inductor_and_leaks(rank: int, world: int) -> dict:
@@ -189,7 +224,7 @@ def world2():
 
 FEATURES = ["aot_eager_eager_matches_math", "aot_eager_graph_breaks",
             "aot_eager_compiled_equals_eager", "comm_dtype", "none_off_src",
-            "off_both_grids", "checked_mismatch", "checked_ok_call",
+            "off_both_grids", "checked_mismatch", "checked_ok_call", "pipelined_bridge",
             "unprepared_under_compile", "prepared_under_compile", "registry_empty"]
 
 
