@@ -19,7 +19,7 @@ from .layout import Layout
 from .regions import Box, Tiling, intersect, split_bounds
 
 __all__ = ["to_canonical", "from_canonical", "local_shape", "box_slices", "infer_sizes",
-           "take", "assemble", "Store"]
+           "take", "assemble", "Store", "local_indices"]
 
 
 def _extents(tiling: Tiling, rank: int) -> dict[str, int]:
@@ -187,3 +187,11 @@ def assemble(store: Store, segments, dtype: torch.dtype, device, check: bool = F
     if filled is not None:
         assert bool(filled.all()), "plan left part of a dst piece unfilled"
     return out
+
+
+def local_indices(layout: Layout, rank: int, dim: str, size: int) -> list[int]:
+    """The global indices of ``dim`` that ``rank`` holds, in local order (e.g. the
+    positions of a zigzag CP chunk, for a causal mask)."""
+    sizes = {d: (size if d == dim else 1) for d in layout.dims}
+    tiling = Tiling.of(layout, (dim,), sizes)
+    return [i for a, b in tiling.segments(rank)[0] for i in range(a, b)]

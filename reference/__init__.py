@@ -7,5 +7,6 @@ same custom vjp as the compiled backend.
 
 from .executor import ReferenceExecutor, redistribute
 from .oracle import shard, unshard
+from .world import ReferenceWorld
 
-__all__ = ["ReferenceExecutor", "redistribute", "shard", "unshard"]
+__all__ = ["ReferenceExecutor", "ReferenceWorld", "redistribute", "shard", "unshard"]

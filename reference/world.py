@@ -1,0 +1,18 @@
+"""The reference world: every rank's piece in this process."""
+
+from __future__ import annotations
+
+from mimo_fx.layout import Layout
+
+from .executor import redistribute
+
+__all__ = ["ReferenceWorld"]
+
+
+class ReferenceWorld:
+    """Runs SPMD code (see :mod:`mimo_fx.spmd`) for all ranks at once."""
+
+    ranks: tuple[int, ...] = ()
+
+    def redistribute(self, pieces, src: Layout, dst: Layout, *, grad_partial=(), **sizes):
+        return redistribute(pieces, src, dst, grad_partial=grad_partial, **sizes)
