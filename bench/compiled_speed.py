@@ -9,7 +9,9 @@ measures, and rank 0 reports the max over ranks of the per-rank medians (an
 - redistribute ms: ``bridge(x_local)`` for ``bridge = Redistributor(src, dst, sizes,
   torch.float32)``, eager, under ``torch.no_grad()``; median of ``--iters`` timed calls
   after a few warm-up calls, with ``torch.distributed.barrier()`` (untimed) before each
-  call so the ranks start together.
+  call so the ranks start together. The bridge, bare and compiled calls are interleaved
+  in one loop (one call of each per iteration, in rotating order), so a change in the
+  machine's load during the run hits all three alike and their ratios stay fair.
 - bare ms: the same functional collectives the bridge's forward program issues, without
   the bridge: for each op of ``bridge._fwd_program.ops`` a contiguous buffer of the packed
   size (the sum of its pieces' sizes and pads) is allocated once, and each timed
@@ -24,19 +26,25 @@ measures, and rank 0 reports the max over ranks of the per-rank medians (an
   of the right size, and ``bridge(x)`` is timed alone: one rank at a time, while the
   other seven wait in a barrier, so the 2 cores are not shared (median of
   ``--overhead-iters`` calls). On the ~16 KiB rows it is the fixed per-call cost (target
-  <= 50 µs); on the >= 1 MiB rows it also includes the cost of the packing copies, so it
-  says how much of redistribute - bare is copying. The notes under the table also give
-  redistribute - bare of the ~16 KiB rows (the indirect estimate, for a cross-check).
+  <= 50 µs); on the >= 1 MiB rows it also includes the cost of the packing and assembly
+  copies, so it says how much of redistribute - bare is the bridge's own CPU work.
+- notes: redistribute - bare in wall time (on the ~16 KiB rows an indirect estimate of
+  the overhead, for a cross-check), and both calls' process CPU time per rank (median,
+  max over ranks, gloo's threads included): with 8 ranks on 2 cores the wall time is
+  roughly the CPU time of all ranks over the free cores, so extra CPU per rank in the
+  bridge shows up about 4x in the wall time.
 - compile s: wall time of the first call of ``torch.compile(lambda t: bridge(t),
   backend="aot_eager", fullgraph=True)`` after ``torch._dynamo.reset()`` (Dynamo tracing +
   AOT autograd; all eight ranks compile at once on two cores, so this is pessimistic).
-- compiled ms: the compiled call's steady state, timed like redistribute; the notes
-  give compiled / eager, and check the compiled result equals the eager one.
+- compiled ms: the compiled call's steady state, timed with (interleaved with) the
+  eager call; the notes give compiled / eager, and check that the compiled result equals
+  the eager one.
 
 Gloo over loopback with 8 processes on a 2-core machine is noisy: the absolute times
 are dominated by scheduling and socket copies and swing from run to run, so read the
 ratios (bridge vs the same collectives on the same machine in the same run) rather
-than the absolute numbers. Each worker runs with ``OMP_NUM_THREADS=1``.
+than the absolute numbers; the header and the last line print the load average, since
+other processes on the machine make it worse. Each worker runs with ``OMP_NUM_THREADS=1``.
 
 Run from the repository root::
 
@@ -52,6 +60,7 @@ import os
 import pickle
 import socket
 import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -189,18 +198,26 @@ def _issue(op, flat: torch.Tensor) -> torch.Tensor:
                                                op.group))
 
 
-def _timed(fn: Callable[[], object], iters: int, warmup: int) -> float:
-    """Median seconds of ``fn()``, every rank calling it after a common barrier."""
-    for _ in range(warmup):
-        dist.barrier()
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _timed(fns: dict[str, Callable[[], object]], iters: int, warmup: int) -> dict:
+    """Per function, the median wall seconds and median process CPU seconds of ``fn()``,
+    every rank calling it after a common barrier.
+
+    The functions are interleaved (one call of each per iteration, the order rotating), so
+    a change in the machine's load during the run affects all of them alike."""
+    names = list(fns)
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(warmup + iters):
+        for k in range(len(names)):
+            name = names[(i + k) % len(names)]
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            fns[name]()
+            if i >= warmup:
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
+    return {name: (statistics.median(wall[name]), statistics.median(cpu[name]))
+            for name in names}
 
 
 def _alone(rank: int, world: int, fn: Callable[[], object], iters: int) -> float:
@@ -251,34 +268,33 @@ def _measure(rank: int, world: int, case: Case, sizes: dict[str, int], iters: in
              if bridge._src_shape is not None else None)
         src_bytes = 4 * _numel(bridge._src_shape) if x is not None else 0
         dst_bytes = 4 * _numel(program.out_local) if program.out_shape is not None else 0
+        bufs = [torch.randn(_packed_numel(op)) for op in program.ops]
+
+        def bare():
+            for op, buf in zip(program.ops, bufs):
+                _issue(op, buf)
+
         with torch.no_grad():
-            eager_s = _timed(lambda: bridge(x), iters, warmup)
             eager_y = bridge(x)
-
-            bufs = [torch.randn(_packed_numel(op)) for op in program.ops]
-
-            def bare():
-                for op, buf in zip(program.ops, bufs):
-                    _issue(op, buf)
-
-            bare_s = _timed(bare, iters, warmup)
-
             dynamo.reset()
             compiled = torch.compile(lambda t: bridge(t), backend="aot_eager", fullgraph=True)
             dist.barrier()
             start = time.perf_counter()
             compiled_y = compiled(x)
             compile_s = time.perf_counter() - start
-            compiled_s = _timed(lambda: compiled(x), iters, warmup)
             same = torch.equal(compiled_y, eager_y)
+            medians = _timed({"eager": lambda: bridge(x), "bare": bare,
+                              "compiled": lambda: compiled(x)}, iters, warmup)
+            (eager_s, eager_cpu), (bare_s, bare_cpu) = medians["eager"], medians["bare"]
+            compiled_s = medians["compiled"][0]
             dynamo.reset()
 
             _stub_collectives(bridge)
             overhead_s = _alone(rank, world, lambda: bridge(x), overhead_iters)
-        values = [eager_s, bare_s, compile_s, compiled_s, overhead_s, src_bytes, dst_bytes,
-                  len(program.ops), 0.0 if same else 1.0]
-        keys = ["eager_s", "bare_s", "compile_s", "compiled_s", "overhead_s", "src_bytes",
-                "dst_bytes", "ops", "compiled_differs"]
+        values = [eager_s, bare_s, compile_s, compiled_s, overhead_s, eager_cpu, bare_cpu,
+                  src_bytes, dst_bytes, len(program.ops), 0.0 if same else 1.0]
+        keys = ["eager_s", "bare_s", "compile_s", "compiled_s", "overhead_s", "eager_cpu",
+                "bare_cpu", "src_bytes", "dst_bytes", "ops", "compiled_differs"]
         return dict(zip(keys, _max_over_ranks(values)))
     finally:
         bridge.destroy()
@@ -298,9 +314,14 @@ def _bench(rank: int, world: int, iters: int, warmup: int, overhead_iters: int) 
     rows = []
     for case in CASES:
         for sizes in (case.big, case.small):
+            start = time.perf_counter()
             row = _measure(rank, world, case, sizes, iters, warmup, overhead_iters)
             row.update(case=case.name, collectives=_collectives(case, sizes))
             rows.append(row)
+            if rank == 0:  # progress, on stderr so the report stays clean
+                print(f"  [{len(rows)}/{2 * len(CASES)}] {case.name} "
+                      f"{_mib(row['src_bytes'])} MiB: {time.perf_counter() - start:.1f} s",
+                      file=sys.stderr, flush=True)
     return rows if rank == 0 else None
 
 
@@ -343,12 +364,16 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"{QUICK_ITERS} timed + {QUICK_WARMUP} warm-up calls per row")
     parser.add_argument("--iters", type=int, default=None, metavar="N",
                         help=f"timed calls per row (default {ITERS}, --quick {QUICK_ITERS})")
+    parser.add_argument("--overhead-iters", type=int, default=None, metavar="K",
+                        help=f"stubbed calls per rank for the overhead (default "
+                             f"{OVERHEAD_ITERS}, --quick {QUICK_OVERHEAD_ITERS})")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="kill the world after this many seconds (default 600)")
     args = parser.parse_args(argv)
     iters = args.iters or (QUICK_ITERS if args.quick else ITERS)
     warmup = QUICK_WARMUP if args.quick else WARMUP
-    overhead_iters = QUICK_OVERHEAD_ITERS if args.quick else OVERHEAD_ITERS
+    overhead_iters = args.overhead_iters or (QUICK_OVERHEAD_ITERS if args.quick
+                                             else OVERHEAD_ITERS)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"compiled backend speed: {WORLD} gloo ranks on 127.0.0.1, float32, torch "
           f"{torch.__version__}; median of {iters} timed calls ({warmup} warm-up), barrier "
@@ -367,15 +392,18 @@ def main(argv: list[str] | None = None) -> None:
         delta = (r["eager_s"] - r["bare_s"]) * 1e6
         differs = " COMPILED RESULT DIFFERS FROM EAGER" if r["compiled_differs"] else ""
         print(f" - {r['case']} ({_mib(r['src_bytes'])} MiB): redistribute - bare = "
-              f"{delta:.0f} µs; compiled / eager = {r['compiled_s'] / r['eager_s']:.2f}x;"
-              f" {int(r['ops'])} collective call(s) per rank{differs}")
+              f"{delta:.0f} µs wall; CPU per call and rank {r['eager_cpu'] * 1e3:.2f} vs "
+              f"{r['bare_cpu'] * 1e3:.2f} ms; compiled / eager = "
+              f"{r['compiled_s'] / r['eager_s']:.2f}x; {int(r['ops'])} collective call(s) "
+              f"per rank{differs}")
     met = [f"{r['case']} ({_mib(r['src_bytes'])} MiB)" for r in rows if _verdict(r)[1]]
     missed = [f"{r['case']} ({_mib(r['src_bytes'])} MiB): {_verdict(r)[0].split(':')[0]}"
               for r in rows if not _verdict(r)[1]]
     print(f"\nSummary: {len(met)}/{len(rows)} rows meet their target (ratio <= "
           f"{RATIO_TARGET:.2f}x for >= 1 MiB rows, overhead <= {OVERHEAD_TARGET_US:.0f} µs "
-          f"for ~16 KiB rows); missed: {'; '.join(missed) if missed else 'none'}. "
-          f"World run took {elapsed:.0f} s.")
+          f"for ~16 KiB rows); missed: {'; '.join(missed) if missed else 'none'}.")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"World run took {elapsed:.0f} s; load average after it {load}.")
 
 
 if __name__ == "__main__":
