@@ -9,6 +9,8 @@ that Dynamo traces without a graph break.
 
 from __future__ import annotations
 
+from math import prod
+
 import torch
 import torch.distributed._functional_collectives as fc
 
@@ -60,7 +62,7 @@ class CompiledExecutor:
             flat = self._collective(op, _pack(store, op, like, self.comm_dtype))
             if self.comm_dtype is not None:
                 flat = flat.to(dtype)
-            new = [flat[o:o + _numel(shape)].view(shape) for o, shape in op.unpack]
+            new = [flat[o:o + prod(shape)].view(shape) for o, shape in op.unpack]
             store = new if op.replace else store + new
         if program.out_shape is None:
             return (local.new_empty((0,) * program.out_ndim),)
@@ -81,9 +83,3 @@ class CompiledExecutor:
         return fc.wait_tensor(fc.all_to_all_single(flat, list(op.out_splits),
                                                    list(op.in_splits), op.group))
 
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

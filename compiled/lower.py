@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
+from math import prod
 
-from mimo_fx.plan import Exchange, Gather, Plan, Reduce
+from mimo_fx.local import box_slices, relative_slices
+from mimo_fx.plan import Collective, Exchange, Gather, Plan, Reduce
 from mimo_fx.regions import Box, Tiling, box_volume, intersect
 
 from .groups import group_name
@@ -72,21 +74,17 @@ class Program:
     out_ndim: int                       # dims of the dst local tensor (also when empty)
 
 
-def _rel(outer: Box, inner: Box) -> tuple[slice, ...]:
-    return tuple(slice(lo - a, hi - a) for (a, _), (lo, hi) in zip(outer, inner))
-
-
 def _resolve(boxes: list[Box], box: Box) -> Piece:
     """How to read ``box`` from stored pieces whose boxes are ``boxes``."""
     shape = tuple(hi - lo for lo, hi in box)
     for i, held in enumerate(boxes):
         if all(a <= lo and hi <= b for (a, b), (lo, hi) in zip(held, box)):
-            return Piece(shape, (Fill(i, _rel(held, box), ()),), True)
+            return Piece(shape, (Fill(i, relative_slices(held, box), ()),), True)
     fills = []
     for i, held in enumerate(boxes):
         inter = intersect(box, held)
         if inter is not None:
-            fills.append(Fill(i, _rel(held, inter), _rel(box, inter)))
+            fills.append(Fill(i, relative_slices(held, inter), relative_slices(box, inter)))
     assert sum(box_volume(_shape_box(f.dst)) for f in fills) >= box_volume(box), box
     return Piece(shape, tuple(fills), False)
 
@@ -126,8 +124,6 @@ def lower(plan: Plan, rank: int) -> Program:
         ext = dict(zip(plan.dims, (sum(b - a for a, b in s) for s in segments)))
         src_expand = tuple(ext[d] for d in plan.src.dims)
         src_perm = tuple(plan.src.dims.index(d) for d in plan.dims)
-        from mimo_fx.local import box_slices
-
         store = list(product(*segments))
         src_pieces = tuple(box_slices(segments, box) for box in store)
     ops = []
@@ -137,8 +133,6 @@ def lower(plan: Plan, rank: int) -> Program:
             ops.append(op)
     out_shape, out_fills, out_perm, out_local = None, (), (), ()
     if plan.dst.holds(rank):
-        from mimo_fx.local import box_slices
-
         segments = plan.need.segments(rank)
         out_shape = tuple(sum(b - a for a, b in seg) for seg in segments)
         fills = []
@@ -146,20 +140,13 @@ def lower(plan: Plan, rank: int) -> Program:
             for i, held in enumerate(store):
                 inter = intersect(box, held)
                 if inter is not None:
-                    fills.append(Fill(i, _rel(held, inter), box_slices(segments, inter)))
+                    fills.append(Fill(i, relative_slices(held, inter), box_slices(segments, inter)))
         out_fills = tuple(fills)
         out_perm = tuple(plan.dims.index(d) for d in plan.dst.dims)
         ext = dict(zip(plan.dims, out_shape))
-        out_local = tuple(_prod(ext[f.dim] for f in g) for g in plan.dst.groups)
+        out_local = tuple(prod(ext[f.dim] for f in g) for g in plan.dst.groups)
     return Program(src_expand, src_perm, src_pieces, tuple(ops), out_shape, out_fills,
                    out_perm, out_local, len(plan.dst.groups))
-
-
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
 
 
 def _lower_step(step, rank: int, store: list[Box]) -> tuple[Op | None, list[Box]]:
@@ -196,7 +183,7 @@ def _lower_step(step, rank: int, store: list[Box]) -> tuple[Op | None, list[Box]
                 boxes += part
         op = Op("all_gather", group_name(ranks), tuple(pack), tuple(unpack), False)
         return op, store + boxes
-    if step.kind.value == "all_reduce":
+    if step.kind is Collective.ALL_REDUCE:
         region = list(step.regions[g])
         pack, _ = _pack(store, region)
         if len(ranks) == 1:

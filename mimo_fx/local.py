@@ -19,7 +19,8 @@ from .layout import Layout
 from .regions import Box, Tiling, intersect, split_bounds
 
 __all__ = ["to_canonical", "from_canonical", "local_shape", "box_slices", "infer_sizes",
-           "take", "assemble", "Store", "local_indices"]
+           "take", "assemble", "Store", "local_indices",
+           "relative_slices"]
 
 
 def _extents(tiling: Tiling, rank: int) -> dict[str, int]:
@@ -148,7 +149,8 @@ def _local_extent(layout: Layout, factor, size: int, rank: int) -> int:
 Store = list[tuple[Box, torch.Tensor]]
 
 
-def _rel(outer: Box, inner: Box) -> tuple[slice, ...]:
+def relative_slices(outer: Box, inner: Box) -> tuple[slice, ...]:
+    """Where ``inner`` sits inside a tensor holding ``outer``."""
     return tuple(slice(lo - a, hi - a) for (a, _), (lo, hi) in zip(outer, inner))
 
 
@@ -157,13 +159,13 @@ def take(store: Store, box: Box) -> torch.Tensor:
     containing it, else a copy assembled from several."""
     for held, tensor in store:
         if all(a <= lo and hi <= b for (a, b), (lo, hi) in zip(held, box)):
-            return tensor[_rel(held, box)]
+            return tensor[relative_slices(held, box)]
     sample = store[0][1]
     out = sample.new_empty([hi - lo for lo, hi in box])
     for held, tensor in store:
         inter = intersect(box, held)
         if inter is not None:
-            out[_rel(box, inter)] = tensor[_rel(held, inter)]
+            out[relative_slices(box, inter)] = tensor[relative_slices(held, inter)]
     return out
 
 
@@ -181,7 +183,7 @@ def assemble(store: Store, segments, dtype: torch.dtype, device, check: bool = F
             if inter is None:
                 continue
             where = box_slices(segments, inter)
-            out[where] = tensor[_rel(held, inter)]
+            out[where] = tensor[relative_slices(held, inter)]
             if filled is not None:
                 filled[where] = True
     if filled is not None:

@@ -24,7 +24,7 @@ from mimo_fx.local import (
     to_canonical,
 )
 from mimo_fx.op import apply
-from mimo_fx.plan import Exchange, Gather, Plan, Reduce, backward_plan, plan
+from mimo_fx.plan import Collective, Exchange, Gather, Plan, Reduce, backward_plan, plan
 from mimo_fx.regions import Tiling
 
 __all__ = ["ReferenceExecutor", "redistribute"]
@@ -58,7 +58,7 @@ class ReferenceExecutor:
                       for box in region]
             full = list(zip(region, summed))
             for rank, part in zip(group, parts):
-                stores[rank] = full if step.kind.value == "all_reduce" else [
+                stores[rank] = full if step.kind is Collective.ALL_REDUCE else [
                     (box, take(full, box)) for box in part]
 
     @staticmethod
