@@ -1,10 +1,9 @@
 """How fast the compiled backend moves data: ``Redistributor`` calls vs bare collectives.
 
-One world of 8 gloo processes on 127.0.0.1 (spawned by a helper in this file, modelled
-on ``tests/world.py``) runs every case of a small table, float32, twice: at a size where
-each rank's piece is >= 1 MiB, and at ~16 KiB per rank. For each row every rank
-measures, and rank 0 reports the max over ranks of the per-rank medians (an
-``all_reduce(MAX)`` of floats):
+One world of 8 gloo processes on 127.0.0.1 (spawned by ``mimo_fx.launch.run_world``)
+runs every case of a small table, float32, twice: at a size where each rank's piece is
+>= 1 MiB, and at ~16 KiB per rank. For each row every rank measures, and rank 0 reports
+the max over ranks of the per-rank medians (an ``all_reduce(MAX)`` of floats):
 
 - redistribute ms: ``bridge(x_local)`` for ``bridge = Redistributor(src, dst, sizes,
   torch.float32)``, eager, under ``torch.no_grad()``; median of ``--iters`` timed calls
@@ -57,22 +56,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
-import socket
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from tabulate import tabulate
 
 from mimo_fx import Grid, Layout
+from mimo_fx.launch import run_world
 
 WORLD = 8
 ITERS, WARMUP, OVERHEAD_ITERS = 10, 3, 200
@@ -113,61 +108,6 @@ CASES = (
          Layout(Grid(tp=2, dp=2, offset=4), "(dp b) (tp s) h"),
          {"b": 8, "s": 256, "h": 512}, {"b": 4, "s": 16, "h": 128}),
 )
-
-
-# -- spawning one world --------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    result: object
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
-        try:
-            result = fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # report, don't hang the parent
-        result = {"__error__": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-
-
-def run_world(world: int, fn, *args, timeout: float = 600.0) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; results by rank."""
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), fn, args, out_dir),
-                                 nprocs=world, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(1.0):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the {world}-process world did not finish in "
-                                       f"{timeout:.0f} s (a hang?)")
-        except mp.ProcessExitedException as err:
-            raise RuntimeError(f"a rank of the {world}-process world died: {err}") from err
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        results = []
-        for rank in range(world):
-            path = os.path.join(out_dir, f"{rank}.pkl")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} of the {world}-process world left no result")
-            with open(path, "rb") as f:
-                results.append(pickle.load(f))
-    errors = [r["__error__"] for r in results if isinstance(r, dict) and "__error__" in r]
-    if errors:
-        raise RuntimeError("a rank raised:\n" + errors[0])
-    return results
 
 
 # -- measuring (on every rank) ---------------------------------------------------------------

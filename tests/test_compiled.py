@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 from cases import CASES, Case
-from world import run_world
 
 from mimo_fx import Layout
+from mimo_fx.launch import run_world
 from mimo_fx.plan import Exchange
 from mimo_fx.reference import shard
 

@@ -1,0 +1,94 @@
+"""Spawn one local world of processes and run a function on every rank.
+
+Used by the tests, the benchmarks and the end-to-end example: gloo on 127.0.0.1 (or
+NCCL with one GPU per rank). Spawning costs seconds, so callers spawn one world and run
+many checks in it; each rank returns a picklable result. A world that does not finish in
+time is killed and reported, never left hanging; a rank that raises has its traceback
+re-raised in the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .errors import MimoFxError
+
+__all__ = ["WorldError", "run_world"]
+
+
+class WorldError(MimoFxError, AssertionError):
+    """A spawned world hung, lost a rank, or a rank raised (its traceback is the message)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, backend: str,
+            threads: int) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    result: object
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+        try:
+            result = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # report, don't hang the parent
+        result = {"__error__": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_world(world: int, fn, *args, timeout: float = 300.0, backend: str = "gloo",
+              threads: int = 1) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; results by rank.
+
+    ``fn`` must be importable by the children (a module-level function). Each process
+    runs with ``threads`` intra-op threads (1 by default: many ranks share few cores).
+    """
+    if world < 1:
+        raise MimoFxError(f"world={world}: need at least one process")
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _worker, args=(world, _free_port(), fn, args, out_dir, backend, threads),
+            nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(1.0):
+                if time.monotonic() > deadline:
+                    raise WorldError(f"the {world}-process world did not finish in "
+                                     f"{timeout:.0f} s (a hang?); raise timeout= if it is "
+                                     f"just slow")
+        except mp.ProcessExitedException as err:
+            raise WorldError(f"a rank of the {world}-process world died: {err}") from err
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for rank in range(world):
+            path = os.path.join(out_dir, f"{rank}.pkl")
+            if not os.path.exists(path):
+                raise WorldError(f"rank {rank} of the {world}-process world left no result")
+            with open(path, "rb") as f:
+                results.append(pickle.load(f))
+    errors = [r["__error__"] for r in results if isinstance(r, dict) and "__error__" in r]
+    if errors:
+        raise WorldError("a rank raised:\n" + errors[0])
+    return results
