@@ -55,6 +55,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -111,16 +112,9 @@ CASES = (
 
 
 # -- measuring (on every rank) ---------------------------------------------------------------
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _packed_numel(op) -> int:
     """Elements of an op's packed input buffer: its pieces and zero pads."""
-    return sum(item if isinstance(item, int) else _numel(item.shape) for item in op.pack)
+    return op.numel
 
 
 def _issue(op, flat: torch.Tensor) -> torch.Tensor:
@@ -189,7 +183,7 @@ def _stub_collectives(bridge) -> None:
     buffer big enough for its unpacking (an instance attribute shadows the staticmethod)."""
     outs = {}
     for op in bridge._fwd_program.ops:
-        end = max((o + _numel(shape) for o, shape in op.unpack), default=0)
+        end = max((u[0] + math.prod(u[1]) for u in op.unpack if u is not None), default=0)
         outs[id(op)] = torch.empty(max(end, _packed_numel(op)))
     bridge.executor._collective = lambda op, flat: outs[id(op)]
 
@@ -206,8 +200,7 @@ def _measure(rank: int, world: int, case: Case, sizes: dict[str, int], iters: in
         gen = torch.Generator().manual_seed(rank)
         x = (torch.randn(bridge._src_shape, generator=gen)
              if bridge._src_shape is not None else None)
-        src_bytes = 4 * _numel(bridge._src_shape) if x is not None else 0
-        dst_bytes = 4 * _numel(program.out_local) if program.out_shape is not None else 0
+        src_bytes = 4 * math.prod(bridge._src_shape) if x is not None else 0
         bufs = [torch.randn(_packed_numel(op)) for op in program.ops]
 
         def bare():
@@ -216,6 +209,7 @@ def _measure(rank: int, world: int, case: Case, sizes: dict[str, int], iters: in
 
         with torch.no_grad():
             eager_y = bridge(x)
+            dst_bytes = 4 * eager_y.numel() if eager_y is not None else 0
             dynamo.reset()
             compiled = torch.compile(lambda t: bridge(t), backend="aot_eager", fullgraph=True)
             dist.barrier()

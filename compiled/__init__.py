@@ -26,9 +26,9 @@ from mimo_fx.op import apply
 from mimo_fx.plan import backward_plan, plan
 from mimo_fx.regions import Tiling
 
+from . import lowering
 from .executor import CompiledExecutor
 from .groups import acquire, group_name, live_groups, plan_groups, release
-from .lower import lower
 
 __all__ = ["Redistributor", "prepare", "redistribute", "destroy", "live_groups",
            "CompiledExecutor"]
@@ -78,8 +78,8 @@ class Redistributor:
         self.device = torch.device(device) if device is not None else _default_device()
         self.executor = CompiledExecutor(self.rank, comm_dtype)
         self.involved = self.rank in self.union
-        self._fwd_program = lower(self.fwd, self.rank)
-        self._bwd_program = lower(self.bwd, self.rank)
+        self._fwd_program = lowering.lower(self.fwd, self.rank)
+        self._bwd_program = lowering.lower(self.bwd, self.rank)
         self._union_group = group_name(self.union) if checked and len(self.union) > 1 else None
         self._src_shape = (local_shape(src, Tiling.of(src, self.fwd.dims, self.sizes),
                                        self.rank) if src.holds(self.rank) else None)

@@ -1,4 +1,4 @@
-"""Run one rank's lowered program (see :mod:`.lower`) with functional collectives.
+"""Run one rank's lowered program (see :mod:`.lowering`) with functional collectives.
 
 The executor decides nothing: it views its src piece as stored boxes, packs each
 collective's input buffer, issues the collective from
@@ -14,27 +14,34 @@ from math import prod
 import torch
 import torch.distributed._functional_collectives as fc
 
-from .lower import Op, Piece, Program
+from .lowering import Cat, Node, Op, Program, View
 
 __all__ = ["CompiledExecutor"]
 
 
-def _read(store: list[torch.Tensor], piece: Piece) -> torch.Tensor:
-    if piece.whole:
-        fill = piece.fills[0]
-        return store[fill.index][fill.src].reshape(-1)
-    out = store[0].new_empty(piece.shape)
-    for fill in piece.fills:
-        out[fill.dst] = store[fill.index][fill.src]
-    return out.reshape(-1)
+def _build(entries: list, node: Node) -> torch.Tensor:
+    if type(node) is View:
+        t = entries[node.entry]
+        return t if node.index is None else t[node.index]
+    if type(node) is Cat:
+        return torch.cat([_build(entries, part) for part in node.parts], node.dim)
+    out = entries[0].new_empty(node.shape)
+    for entry, src, dst in node.writes:
+        out[dst] = entries[entry][src]
+    return out
 
 
-def _pack(store, op: Op, like: torch.Tensor, wire) -> torch.Tensor:
-    parts = [like.new_zeros(item) if isinstance(item, int) else _read(store, item)
-             for item in op.pack]
-    if not parts:
-        parts = [like.new_zeros(0)]
-    flat = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+def _pack(entries: list, op: Op, wire) -> torch.Tensor:
+    items = op.pack
+    if len(items) == 1 and type(items[0]) is not int:
+        flat = _build(entries, items[0]).reshape(-1)
+    elif op.stack:
+        flat = torch.stack([_build(entries, item) for item in items]).view(-1)
+    elif items:
+        flat = torch.cat([entries[0].new_zeros(item) if type(item) is int
+                          else _build(entries, item).reshape(-1) for item in items])
+    else:
+        flat = entries[0].new_zeros(0)
     return flat.to(wire) if wire is not None else flat
 
 
@@ -53,23 +60,29 @@ class CompiledExecutor:
     def run(self, program: Program, tensors: tuple[torch.Tensor, ...]):
         (local,) = tensors
         dtype = local.dtype
-        store: list[torch.Tensor] = []
+        canon = local
         if program.src_expand is not None:
-            canon = local.reshape(program.src_expand).permute(program.src_perm)
-            store = [canon[s] for s in program.src_pieces]
-        like = local.detach()
+            canon = canon.reshape(program.src_expand)
+        if program.src_perm is not None:
+            canon = canon.permute(program.src_perm)
+        entries = [canon]
+        wire = self.comm_dtype
         for op in program.ops:
-            flat = self._collective(op, _pack(store, op, like, self.comm_dtype))
-            if self.comm_dtype is not None:
+            flat = self._collective(op, _pack(entries, op, wire))
+            if wire is not None:
                 flat = flat.to(dtype)
-            new = [flat[o:o + prod(shape)].view(shape) for o, shape in op.unpack]
-            store = new if op.replace else store + new
-        if program.out_shape is None:
+            entries += [None if u is None else flat[u[0]:u[0] + prod(u[1])].view(u[1])
+                        for u in op.unpack]
+        if program.out is None:
             return (local.new_empty((0,) * program.out_ndim),)
-        out = local.new_empty(program.out_shape)
-        for fill in program.out_fills:
-            out[fill.dst] = store[fill.index][fill.src]
-        return (out.permute(program.out_perm).reshape(program.out_local),)
+        out = _build(entries, program.out)
+        if program.out_clone:
+            out = out.clone()
+        if program.out_perm is not None:
+            out = out.permute(program.out_perm)
+        if program.out_local is not None:
+            out = out.reshape(program.out_local)
+        return (out.contiguous(),)
 
     @staticmethod
     def _collective(op: Op, flat: torch.Tensor) -> torch.Tensor:

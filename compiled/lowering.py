@@ -1,0 +1,374 @@
+"""Lowering: one rank's share of a plan as a straight-line program of tensor ops.
+
+Done once, eagerly, when a bridge is built: every box is resolved to views of tensors
+the rank holds, every collective to a group name and fixed split sizes. The program holds
+only ints, slices, tuples and strings, so the executor's loop over it is all
+``torch.compile`` sees: no planner code, no region arithmetic, no dict lookups by layout.
+
+Data is described by *blocks*: per dim, a list of global intervals; the block is their
+product, stored as one C-order tensor whose dim ``k`` runs through the intervals of dim
+``k`` in list order. The src piece is one block (zigzag gives two intervals on a dim).
+The wire format of a list of plan boxes is the list of blocks :func:`coalesce` makes of
+it -- a pure function of the plan, so sender and receiver agree without talking -- which
+packs e.g. two boxes adjacent along ``s`` as one copy instead of two.
+
+Every tensor a program creates or receives is an *entry* (numbered in creation order;
+entry 0 is the src piece). Reading a block from entries resolves to a small tree:
+a :class:`View` of one entry (no copy), a :class:`Cat` of sub-blocks along one dim (one
+copy), or a :class:`Scatter` into a new tensor (one copy, one write per piece). The
+lowering prefers the newest entries (a received buffer often already *is* the dst piece
+in C-order: then the output costs no copy at all), and entries nothing reads are never
+materialised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from itertools import product
+from math import prod
+
+from mimo_fx.local import box_slices
+from mimo_fx.plan import Collective, Exchange, Gather, Plan, Reduce
+from mimo_fx.regions import Box, Interval, Tiling, box_volume, intersect
+
+from .groups import group_name
+
+__all__ = ["View", "Cat", "Scatter", "Op", "Program", "lower", "coalesce"]
+
+Block = tuple[tuple[Interval, ...], ...]  # per dim, intervals in storage order
+
+
+@dataclass(frozen=True)
+class View:
+    """``entries[entry][index]`` (``index`` None: the whole entry)."""
+
+    entry: int
+    index: tuple[slice, ...] | None
+
+
+@dataclass(frozen=True)
+class Cat:
+    """``torch.cat`` of the parts along ``dim``."""
+
+    dim: int
+    parts: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """A new tensor of ``shape`` written piece by piece: ``(entry, src, dst)`` triples."""
+
+    shape: tuple[int, ...]
+    writes: tuple[tuple[int, tuple[slice, ...], tuple[slice, ...]], ...]
+
+
+Node = View | Cat | Scatter
+
+
+@dataclass(frozen=True)
+class Op:
+    """One functional collective and how to pack its input and unpack its output.
+
+    ``pack`` lists the blocks to send (nodes) and zero pads (ints, in elements) in buffer
+    order; ``stack`` says the nodes all have one shape and no pad follows (one
+    ``torch.stack`` packs them). ``unpack`` gives, for each entry the output creates,
+    ``(offset, shape)`` in the output buffer, or None when nothing reads it. ``numel``
+    is the packed input's length.
+    """
+
+    kind: str
+    group: str
+    pack: tuple[Node | int, ...]
+    stack: bool
+    unpack: tuple[tuple[int, tuple[int, ...]] | None, ...]
+    numel: int
+    in_splits: tuple[int, ...] = ()
+    out_splits: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Program:
+    """Everything one rank does for one plan."""
+
+    src_expand: tuple[int, ...] | None  # local -> one axis per dim (None: already so)
+    src_perm: tuple[int, ...] | None    # -> canonical order (None: already so)
+    ops: tuple[Op, ...]
+    out: Node | None                    # canonical dst piece; None: this rank holds none
+    out_clone: bool                     # the dst piece would alias the input: copy it
+    out_perm: tuple[int, ...] | None    # canonical -> dst dim order (None: already so)
+    out_local: tuple[int, ...] | None   # the dst local shape (None: already so)
+    out_ndim: int                       # dims of the dst local tensor (also when empty)
+
+
+def _shape(block: Block) -> tuple[int, ...]:
+    return tuple(sum(b - a for a, b in segs) for segs in block)
+
+
+def _join(a: tuple[Interval, ...], b: tuple[Interval, ...]) -> tuple[Interval, ...]:
+    if a[-1][1] == b[0][0]:
+        return a[:-1] + ((a[-1][0], b[0][1]),) + b[1:]
+    return a + b
+
+
+def _concat_dim(a: Block, b: Block, c_order: bool) -> int | None:
+    """The one dim along which ``b`` can follow ``a`` as a block; with ``c_order`` only if
+    the two C-order tensors laid end to end are the joined block in C-order."""
+    diff = [k for k, (x, y) in enumerate(zip(a, b)) if x != y]
+    if len(diff) != 1:
+        return None
+    d = diff[0]
+    if c_order and any(_shape(a)[k] != 1 for k in range(d)):
+        return None
+    return d
+
+
+def _merge(blocks: list[Block], c_order: bool) -> list[Block]:
+    out: list[Block] = []
+    for block in blocks:
+        out.append(block)
+        while len(out) > 1 and (d := _concat_dim(out[-2], out[-1], c_order)) is not None:
+            b = out.pop()
+            a = out.pop()
+            out.append(a[:d] + (_join(a[d], b[d]),) + a[d + 1:])
+    return out
+
+
+def coalesce(boxes) -> list[Block]:
+    """The wire format of a list of disjoint boxes: consecutive boxes that differ on one
+    dim only are sent as one block (their concatenation along that dim)."""
+    return _merge([tuple((iv,) for iv in box) for box in boxes], c_order=False)
+
+
+def _subtract(box: Box, cut: Box) -> list[Box]:
+    """``box`` minus ``cut`` (``cut`` inside ``box``) as disjoint boxes."""
+    out, rest = [], list(box)
+    for k, ((lo, hi), (a, b)) in enumerate(zip(box, cut)):
+        if lo < a:
+            out.append(tuple(rest[:k]) + ((lo, a),) + tuple(rest[k + 1:]))
+        if b < hi:
+            out.append(tuple(rest[:k]) + ((b, hi),) + tuple(rest[k + 1:]))
+        rest[k] = (a, b)
+    return out
+
+
+class _Resolver:
+    """Reads blocks from the entries a rank holds, preferring the newest."""
+
+    def __init__(self) -> None:
+        self.avail: list[tuple[int, Block]] = []  # newest first
+        self.blocks: dict[int, Block] = {}
+        self.live: set[int] = set()
+        self.count = 0
+
+    def new(self, blocks: list[Block], replace_all: bool = False) -> None:
+        fresh = [(self.count + k, b) for k, b in enumerate(blocks)]
+        self.count += len(blocks)
+        self.blocks.update(fresh)
+        self.avail = fresh[::-1] + ([] if replace_all else self.avail)
+
+    def read(self, target: Block) -> Node:
+        uncovered = list(product(*target))
+        writes = []
+        for entry, block in self.avail:
+            if not uncovered:
+                break
+            for held in product(*block):
+                left = []
+                for box in uncovered:
+                    inter = intersect(box, held)
+                    if inter is None:
+                        left.append(box)
+                        continue
+                    writes.append((entry, box_slices(block, inter), box_slices(target, inter)))
+                    left += _subtract(box, inter)
+                uncovered = left
+        if uncovered:
+            raise AssertionError(f"lowering: block {target} not held (missing {uncovered})")
+        writes = _join_writes(writes)
+        self.live.update(w[0] for w in writes)
+        return _tree(_shape(target), writes, self.blocks)
+
+
+def _join_writes(writes: list) -> list:
+    """Merge writes of one entry adjacent in both source and target along one dim."""
+    changed = True
+    while changed:
+        changed = False
+        for i, j in product(range(len(writes)), repeat=2):
+            (e1, s1, d1), (e2, s2, d2) = writes[i], writes[j]
+            if i == j or e1 != e2:
+                continue
+            diff = [k for k in range(len(s1)) if s1[k] != s2[k] or d1[k] != d2[k]]
+            if len(diff) == 1:
+                k = diff[0]
+                if s1[k].stop == s2[k].start and d1[k].stop == d2[k].start:
+                    s = s1[:k] + (slice(s1[k].start, s2[k].stop),) + s1[k + 1:]
+                    d = d1[:k] + (slice(d1[k].start, d2[k].stop),) + d1[k + 1:]
+                    writes = [w for n, w in enumerate(writes) if n not in (i, j)]
+                    writes.append((e1, s, d))
+                    changed = True
+                    break
+    return writes
+
+
+def _tree(shape: tuple[int, ...], writes: list, blocks: dict[int, Block]) -> Node:
+    """A cheap way to build a tensor of ``shape`` from ``writes`` (they tile it)."""
+    if len(writes) == 1:
+        entry, src, _ = writes[0]
+        whole = all(s.start == 0 and s.stop == n for s, n in zip(src, _shape(blocks[entry])))
+        return View(entry, None if whole else src)
+    for d in range(len(shape)):
+        slabs: list[list[int]] = []
+        for lo, hi in sorted({(w[2][d].start, w[2][d].stop) for w in writes}):
+            if slabs and lo < slabs[-1][1]:
+                slabs[-1][1] = max(slabs[-1][1], hi)
+            else:
+                slabs.append([lo, hi])
+        if len(slabs) > 1:
+            parts = []
+            for lo, hi in slabs:
+                sub = [(e, s, dd[:d] + (slice(dd[d].start - lo, dd[d].stop - lo),) + dd[d + 1:])
+                       for e, s, dd in writes if lo <= dd[d].start < hi]
+                parts.append(_tree(shape[:d] + (hi - lo,) + shape[d + 1:], sub, blocks))
+            return Cat(d, tuple(parts))
+    return Scatter(shape, tuple(writes))
+
+
+def _unpack(blocks: list[Block], offsets: list[int]) -> tuple[list[Block], list]:
+    """Merge blocks lying end to end in the buffer in C-order; their (offset, shape)."""
+    merged: list[tuple[Block, int]] = []
+    for block, offset in zip(blocks, offsets):
+        if merged:
+            last, start = merged[-1]
+            if start + prod(_shape(last)) == offset:
+                joined = _merge([last, block], c_order=True)
+                if len(joined) == 1:
+                    merged[-1] = (joined[0], start)
+                    continue
+        merged.append((block, offset))
+    return [b for b, _ in merged], [(o, _shape(b)) for b, o in merged]
+
+
+def _laid_out(part_blocks: list[list[Block]], slot: int | None = None):
+    """Blocks of consecutive parts and their offsets (each part padded to ``slot``)."""
+    blocks, offsets, base = [], [], 0
+    for blocks_j in part_blocks:
+        offset = base
+        for b in blocks_j:
+            blocks.append(b)
+            offsets.append(offset)
+            offset += prod(_shape(b))
+        base = base + slot if slot is not None else offset
+    return blocks, offsets
+
+
+def _pack(res: _Resolver, blocks: list[Block], pad_to: int = 0) -> tuple[list, bool, int]:
+    items: list = [res.read(b) for b in blocks]
+    size = sum(prod(_shape(b)) for b in blocks)
+    stack = len({_shape(b) for b in blocks}) == 1 and pad_to <= size
+    if pad_to > size:
+        items.append(pad_to - size)
+    return items, stack, max(size, pad_to)
+
+
+def _member(groups, rank: int):
+    return next((g for g, ranks in enumerate(groups) if rank in ranks), None)
+
+
+def lower(plan: Plan, rank: int) -> Program:
+    """The program ``rank`` runs for ``plan`` (groups must be prepared)."""
+    sizes = dict(plan.sizes)
+    res = _Resolver()
+    src_expand, src_perm = None, None
+    if plan.src.holds(rank):
+        segments = Tiling.of(plan.src, plan.dims, sizes).segments(rank)
+        ext = dict(zip(plan.dims, _shape(segments)))
+        expand = tuple(ext[d] for d in plan.src.dims)
+        local = tuple(prod(ext[f.dim] for f in g) for g in plan.src.groups)
+        src_expand = None if expand == local else expand
+        perm = tuple(plan.src.dims.index(d) for d in plan.dims)
+        src_perm = None if perm == tuple(range(len(perm))) else perm
+        res.new([segments])
+    else:
+        res.count = 1  # entry 0 is the (empty) placeholder
+    ops = [op for step in plan.steps if (op := _lower_step(step, rank, res)) is not None]
+    out, out_clone, out_perm, out_local = None, False, None, None
+    if plan.dst.holds(rank):
+        segments = plan.need.segments(rank)
+        out = res.read(segments)
+        out_clone = isinstance(out, View) and out.entry == 0
+        perm = tuple(plan.dims.index(d) for d in plan.dst.dims)
+        out_perm = None if perm == tuple(range(len(perm))) else perm
+        ext = dict(zip(plan.dims, _shape(segments)))
+        local = tuple(prod(ext[f.dim] for f in g) for g in plan.dst.groups)
+        out_local = None if local == tuple(ext[d] for d in plan.dst.dims) else local
+    # entries nothing reads are not materialised
+    first = 1
+    for i, op in enumerate(ops):
+        unpack = tuple(u if first + k in res.live else None for k, u in enumerate(op.unpack))
+        ops[i] = replace(op, unpack=unpack)
+        first += len(op.unpack)
+    return Program(src_expand, src_perm, tuple(ops), out, out_clone, out_perm, out_local,
+                   len(plan.dst.groups))
+
+
+def _lower_step(step, rank: int, res: _Resolver) -> Op | None:
+    if isinstance(step, Exchange):
+        if rank not in step.ranks:
+            return None
+        send: dict[int, list[Box]] = {}
+        recv: dict[int, list[Box]] = {}
+        for t in step.transfers:
+            if t.src == rank:
+                send.setdefault(t.dst, []).append(t.box)
+            if t.dst == rank:
+                recv.setdefault(t.src, []).append(t.box)
+        out_parts = [coalesce(recv.get(r, ())) for r in step.ranks]
+        send_blocks = [b for r in step.ranks for b in coalesce(send.get(r, ()))]
+        pack, stack, numel = _pack(res, send_blocks)
+        blocks, unpack = _unpack(*_laid_out(out_parts))
+        op = Op("all_to_all", group_name(step.ranks), tuple(pack), stack, tuple(unpack), numel,
+                tuple(sum(map(box_volume, send.get(r, ()))) for r in step.ranks),
+                tuple(sum(map(box_volume, recv.get(r, ()))) for r in step.ranks))
+        res.new(blocks)
+        return op
+    g = _member(step.groups, rank)
+    if g is None:
+        if isinstance(step, Reduce):
+            res.new([], replace_all=True)
+        return None
+    ranks, parts = step.groups[g], step.parts[g]
+    me = ranks.index(rank)
+    chunk = max(sum(map(box_volume, part)) for part in parts)
+    if isinstance(step, Gather):
+        if chunk == 0 or len(ranks) == 1:
+            return None
+        pack, stack, numel = _pack(res, coalesce(parts[me]), chunk)
+        blocks, unpack = _unpack(*_laid_out([coalesce(p) for p in parts], chunk))
+        op = Op("all_gather", group_name(ranks), tuple(pack), stack, tuple(unpack), numel)
+        res.new(blocks)
+        return op
+    if step.kind is Collective.ALL_REDUCE:
+        if len(ranks) == 1:
+            return None
+        region = coalesce(step.regions[g])
+        pack, stack, numel = _pack(res, region)
+        blocks, unpack = _unpack(*_laid_out([region]))
+        op = Op("all_reduce", group_name(ranks), tuple(pack), stack, tuple(unpack), numel)
+        res.new(blocks, replace_all=True)
+        return op
+    if chunk == 0:
+        res.new([], replace_all=True)
+        return None
+    if len(ranks) == 1:
+        return None
+    pack, numel = [], 0
+    for part in parts:
+        items, _, n = _pack(res, coalesce(part), chunk)
+        pack += items
+        numel += n
+    mine = coalesce(parts[me])
+    blocks, unpack = _unpack(*_laid_out([mine]))
+    op = Op("reduce_scatter", group_name(ranks), tuple(pack), False, tuple(unpack), numel)
+    res.new(blocks, replace_all=True)
+    return op
