@@ -211,6 +211,11 @@ def _join_writes(writes: list) -> list:
     return writes
 
 
+# A Cat inside a Cat copies its elements twice; above this many elements the bytes cost
+# more than the ops saved, and the tensor is written piece by piece instead.
+NESTED_CAT_LIMIT = 1 << 15
+
+
 def _tree(shape: tuple[int, ...], writes: list, blocks: dict[int, Block]) -> Node:
     """A cheap way to build a tensor of ``shape`` from ``writes`` (they tile it)."""
     if len(writes) == 1:
@@ -230,6 +235,8 @@ def _tree(shape: tuple[int, ...], writes: list, blocks: dict[int, Block]) -> Nod
                 sub = [(e, s, dd[:d] + (slice(dd[d].start - lo, dd[d].stop - lo),) + dd[d + 1:])
                        for e, s, dd in writes if lo <= dd[d].start < hi]
                 parts.append(_tree(shape[:d] + (hi - lo,) + shape[d + 1:], sub, blocks))
+            if prod(shape) >= NESTED_CAT_LIMIT and any(type(p) is not View for p in parts):
+                break
             return Cat(d, tuple(parts))
     return Scatter(shape, tuple(writes))
 
