@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
 
 __all__ = ["ProcessWorld"]
@@ -13,15 +14,29 @@ __all__ = ["ProcessWorld"]
 class ProcessWorld:
     """Runs SPMD code (see :mod:`mimo_fx.spmd`) as this process's rank.
 
-    Bridges are prepared on first use outside tracing; call :meth:`prepare` for each
+    Bridges are prepared on first use outside tracing; call :meth:`bridge` for each
     redistribution before ``torch.compile`` (or run the step once eagerly).
+
+    A rank that holds no piece of a bridge's src or dst still takes part in its
+    collectives, forward *and* backward. Under autograd its part of the backward only
+    runs if the bridge sits on a path from the loss to a tensor being differentiated, so
+    a step differentiated on a process world is bracketed by :meth:`begin` and
+    :meth:`end`: ``begin(anchor)`` names a tensor being differentiated (any parameter
+    piece) from which inputs-less bridge calls take their empty input, and
+    ``end(loss)`` adds zero times every empty output of the step to the loss. Both are
+    pure tensor ops, so the step stays traceable.
     """
 
     def __init__(self, dtype=torch.float32) -> None:
+        if not dist.is_initialized():
+            raise MimoFxError("ProcessWorld needs torch.distributed initialised first")
         self.rank = dist.get_rank()
         self.ranks = (self.rank,)
         self.dtype = dtype
         self._bridges: dict = {}
+        self._anchor: torch.Tensor | None = None
+        self._dangling: list[torch.Tensor] = []
+        self.calls: list[tuple[object, bool]] | None = None  # set to [] to record calls
 
     def bridge(self, src: Layout, dst: Layout, sizes: dict[str, int], grad_partial=()):
         from . import Redistributor
@@ -32,9 +47,43 @@ class ProcessWorld:
                                                grad_partial=grad_partial)
         return self._bridges[key]
 
+    def begin(self, anchor: torch.Tensor | None = None) -> None:
+        """Start a step; ``anchor``: a tensor the step is differentiated with respect to."""
+        self._anchor = anchor
+        self._dangling = []
+
+    def end(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` joined (with weight zero) to the step's empty bridge outputs."""
+        for t in self._dangling:
+            loss = loss + t.sum() * 0
+        self._anchor, self._dangling = None, []
+        return loss
+
     def redistribute(self, pieces, src: Layout, dst: Layout, *, grad_partial=(), **sizes):
-        y = self.bridge(src, dst, sizes, grad_partial)(pieces.get(self.rank))
-        return {} if y is None or not dst.holds(self.rank) else {self.rank: y}
+        bridge = self.bridge(src, dst, sizes, grad_partial)
+        x = pieces.get(self.rank)
+        if self.calls is not None and self.rank in bridge.union:
+            self.calls.append((bridge, torch.is_grad_enabled()))
+        if x is None and self._anchor is not None and self.rank in bridge.union:
+            x = self._anchor.reshape(-1)[:0].reshape((0,) * len(src.groups))
+        y = bridge(x)
+        if y is None:
+            return {}
+        if not dst.holds(self.rank):
+            if y.requires_grad:
+                self._dangling.append(y)
+            return {}
+        return {self.rank: y}
+
+    def bytes_sent(self) -> int:
+        """Bytes this rank sent in the recorded calls (forward, and backward where
+        autograd was on), from the bridges' plans."""
+        total = 0
+        for bridge, grad in self.calls or ():
+            total += bridge.fwd.bytes_sent.get(self.rank, 0)
+            if grad:
+                total += bridge.bwd.bytes_sent.get(self.rank, 0)
+        return total
 
     def destroy(self) -> None:
         for bridge in self._bridges.values():

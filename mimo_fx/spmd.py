@@ -35,6 +35,12 @@ class World(Protocol):
 
     ranks: tuple[int, ...]  # the ranks whose pieces this process holds
 
+    def begin(self, anchor: torch.Tensor | None = None) -> None:
+        """Start a differentiated step (see ``ProcessWorld``)."""
+
+    def end(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss, joined to any bridge outputs this process holds none of."""
+
     def redistribute(self, pieces: Pieces, src: Layout, dst: Layout, *,
                      grad_partial=(), **sizes) -> Pieces:
         ...

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .grads import finalize_grads
 from .grid import Grid
 from .layout import Layout
 from .local import local_indices
@@ -98,8 +99,12 @@ class ToyMimo:
 
     # -- the distributed step ----------------------------------------------------------
     def loss(self, world: World, params: dict[str, Pieces], x: Pieces,
-             target: Pieces) -> Pieces:
-        """Per-rank loss pieces: each rank's share of sum((y - t)^2) / N."""
+             target: Pieces, tokens: int | None = None) -> Pieces:
+        """Per-rank loss pieces: each rank's share of sum((y - t)^2) / N.
+
+        N is ``tokens`` (default: this batch's element count); pass the global step's
+        count when this batch is one micro-batch of several.
+        """
         sizes = self.cfg.sizes
         rd = world.redistribute
         a = local(lambda xi, w: torch.nn.functional.gelu(xi @ w), x, params["enc.w1"])
@@ -109,7 +114,7 @@ class ToyMimo:
         u = rd(e, self.enc_out, self.u, **_only(sizes, "bsh"))
         u = {r: t for r, t in u.items() if self.u.holds(r)}
         h = self._block(world, params, u)
-        n = self.cfg.batch * self.cfg.seq * self.cfg.hidden
+        n = tokens or self.cfg.batch * self.cfg.seq * self.cfg.hidden
         return local(lambda y, t: ((y - t) ** 2).sum() / n, h, target)
 
     def _f(self, world: World, t: Pieces, layout: Layout) -> Pieces:
@@ -175,26 +180,3 @@ class ToyMimo:
 
 def _only(sizes: dict[str, int], dims: str) -> dict[str, int]:
     return {d: sizes[d] for d in dims}
-
-
-def finalize_grads(world: World, grads: dict[str, Pieces], layouts: dict[str, Layout],
-                   sizes: dict[str, int]) -> dict[str, Pieces]:
-    """Sum each parameter's gradient over the axes that split its module's data.
-
-    A parameter replicated over dp (and cp) holds, on each replica, the gradient of the
-    tokens that replica saw; the true gradient is their sum -- an all-reduce, written
-    as a redistribute from partial to replicated.
-    """
-    out = {}
-    for name, g in grads.items():
-        layout = layouts[name]
-        axes = tuple(a for a in ("dp", "cp") if a in layout.replicated
-                     and layout.grid.axis_size(a) > 1)
-        if not axes:
-            out[name] = g
-            continue
-        partial = Layout(layout.grid, layout.pattern, partial=axes, at=dict(layout.at))
-        with torch.no_grad():
-            out[name] = world.redistribute(g, partial, layout,
-                                           **{d: sizes[d] for d in layout.dims})
-    return out

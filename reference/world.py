@@ -14,5 +14,11 @@ class ReferenceWorld:
 
     ranks: tuple[int, ...] = ()
 
+    def begin(self, anchor=None) -> None:
+        """Nothing to anchor: every rank's backward runs in this process."""
+
+    def end(self, loss):
+        return loss
+
     def redistribute(self, pieces, src: Layout, dst: Layout, *, grad_partial=(), **sizes):
         return redistribute(pieces, src, dst, grad_partial=grad_partial, **sizes)
