@@ -125,7 +125,8 @@ def _issue(op, flat: torch.Tensor) -> torch.Tensor:
         gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
         return fc.wait_tensor(gather(flat, 0, op.group))
     if op.kind == "reduce_scatter":
-        return fc.wait_tensor(fc.reduce_scatter_tensor(flat, "sum", 0, op.group))
+        scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
+        return fc.wait_tensor(scatter(flat, "sum", 0, op.group))
     if op.kind == "all_reduce":
         return fc.wait_tensor(fc.all_reduce(flat, "sum", op.group))
     return fc.wait_tensor(fc.all_to_all_single(flat, list(op.out_splits), list(op.in_splits),

@@ -84,6 +84,10 @@ class ToyMimo:
         self.kv = Layout(llm, "(dp b) s (tp o)")
         self.llm_partial = Layout(llm, f"(dp b) {seq} h", partial=("tp",), **zz)
         self.target = self.u
+        # global positions of each rank's sequence chunk (for the causal mask), computed
+        # here so the traced step holds no region arithmetic
+        self.positions = {r: tuple(local_indices(self.u, r, "s", cfg.seq))
+                          for r in llm.ranks}
 
     # -- parameters ------------------------------------------------------------------
     def init_params(self, seed: int = 0, dtype=torch.float64) -> dict[str, torch.Tensor]:
@@ -134,7 +138,7 @@ class ToyMimo:
         hd = c.hidden // c.heads
 
         def attend(rank, qi, ki, vi):
-            pos = torch.tensor(local_indices(self.u, rank, "s", c.seq))
+            pos = torch.tensor(self.positions[rank])
             mask = pos[:, None] >= torch.arange(c.seq)[None, :]
             b, s, o = qi.shape
             qh = qi.view(b, s, o // hd, hd).transpose(1, 2)

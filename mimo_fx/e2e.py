@@ -1,0 +1,236 @@
+"""End-to-end: the toy MIMO model trained on one process per rank, checked against the
+undistributed model.
+
+``python -m mimo_fx.e2e`` spawns 8 gloo processes on 127.0.0.1 and trains the toy model
+(:mod:`mimo_fx.toy`) for a few SGD steps in two layouts:
+
+- **colocated**: encoder TP2xDP4 and LLM TP2xCP2xDP2 on the same 8 ranks (fan-in bridge
+  into zigzag CP);
+- **pipelined**: encoder TP2xDP2 on ranks 0-3, LLM TP2xCP2 on ranks 4-7 (disjoint
+  grids: the bridge is a pipeline-stage transfer).
+
+Each step is ``torch.func.grad_and_value`` of the SPMD loss on the process world
+(:class:`mimo_fx.compiled.world.ProcessWorld`), compiled with ``torch.compile`` (backend
+``aot_eager`` by default), then the multi-module gradient sync
+(:class:`mimo_fx.grads.ModuleGrads`) and an SGD update. Every rank also runs the
+undistributed model on the full batch (plain tensors, no mimo_fx) and compares, per
+step, its synchronised gradient pieces with the matching pieces of the full gradients,
+and at the end its parameters. A table gives per step: the global loss (and the
+undistributed model's), the max gradient difference over all ranks and parameters, the
+bytes each rank sends (max over ranks; from the bridges' plans, forward + backward +
+gradient sync), and the step time (max over ranks). Exit status 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .errors import MimoFxError
+from .grads import ModuleGrads
+from .mimo import MimoParallelism
+from .mimo import ModuleParallelism as M
+from .plan import format_bytes
+from .toy import ToyConfig, ToyMimo
+
+__all__ = ["VARIANTS", "train_worker", "main"]
+
+VARIANTS = {
+    "colocated": MimoParallelism(world_size=8, colocated=True, modules={
+        "enc": M(tp=2, dp=4), "llm": M(tp=2, cp=2, dp=2)}),
+    "pipelined": MimoParallelism(world_size=8, modules={
+        "enc": M(tp=2, dp=2), "llm": M(tp=2, cp=2, offset=4)}),
+    "fan_out": MimoParallelism(world_size=8, colocated=True, modules={
+        "enc": M(tp=4, dp=2), "llm": M(cp=2, dp=4)}),
+    "equal": MimoParallelism(world_size=8, colocated=True, modules={
+        "enc": M(tp=2, dp=4), "llm": M(tp=2, dp=4)}),
+}
+TOLERANCE = 1e-5  # fp32, max abs parameter difference after the last step
+
+
+@dataclass(frozen=True)
+class Run:
+    variant: str
+    steps: int = 3
+    backend: str = "aot_eager"  # "eager", or a torch.compile backend
+    lr: float = 0.1
+    cfg: ToyConfig = ToyConfig()
+
+
+def _data(cfg: ToyConfig, step: int):
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(cfg.batch, cfg.seq, cfg.features, generator=gen)
+    t = torch.randn(cfg.batch, cfg.seq, cfg.hidden, generator=gen)
+    return x, t
+
+
+def _allreduce(values: list[float], op) -> list[float]:
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def _train(rank: int, run: Run) -> dict:
+    import torch.distributed as dist
+
+    from mimo_fx.compiled.world import ProcessWorld
+    from mimo_fx.reference import shard
+
+    mimo = VARIANTS[run.variant]
+    if mimo.world_size != dist.get_world_size():
+        raise MimoFxError(f"variant {run.variant!r} needs {mimo.world_size} ranks, the world "
+                          f"has {dist.get_world_size()}")
+    grids = mimo.grids()
+    model = ToyMimo(run.cfg, grids["enc"], grids["llm"])
+    layouts = model.param_layouts
+    full = model.init_params(dtype=torch.float32)
+    mine = {n: shard(full[n], lay)[rank] for n, lay in layouts.items() if lay.holds(rank)}
+    names = list(layouts)
+    world = ProcessWorld(torch.float32)
+    llm = grids["llm"]
+    counts_loss = rank in llm and llm.coord(rank)["tp"] == 0  # one replica per loss piece
+
+    def loss_fn(p, x, t):
+        world.begin(anchor=next(iter(p.values())))
+        params = {n: ({rank: p[n]} if n in p else {}) for n in names}
+        losses = model.loss(world, params, {} if x is None else {rank: x},
+                            {} if t is None else {rank: t})
+        total = losses[rank] if rank in losses else next(iter(p.values())).sum() * 0
+        return world.end(total)
+
+    grad_step = torch.func.grad_and_value(loss_fn)
+    step_fn = grad_step
+    grads = ModuleGrads(world, layouts, run.cfg.sizes)
+
+    def step_grads(fn, x, t):
+        g, value = fn(mine, x, t)
+        grads.zero_grad()
+        grads.accumulate({n: ({rank: g[n]} if n in g else {}) for n in names})
+        return {n: pieces[rank] for n, pieces in grads.grads.items() if rank in pieces}, value
+
+    def pieces(x, t):
+        return shard(x, model.x).get(rank), shard(t, model.target).get(rank)
+
+    # warm-up: an eager step prepares every bridge (same order on all ranks) and records
+    # the bytes a step moves; then the compiled step is traced once
+    world.calls = []
+    step_grads(grad_step, *pieces(*_data(run.cfg, 0)))
+    step_bytes = world.bytes_sent()
+    world.calls = None
+    compile_s = 0.0
+    if run.backend != "eager":
+        torch._dynamo.reset()
+        step_fn = torch.compile(grad_step, backend=run.backend, fullgraph=True)
+        dist.barrier()
+        start = time.perf_counter()
+        step_grads(step_fn, *pieces(*_data(run.cfg, 0)))
+        compile_s = time.perf_counter() - start
+
+    rows = []
+    for step in range(1, run.steps + 1):
+        x, t = _data(run.cfg, step)
+        dist.barrier()
+        start = time.perf_counter()
+        g, value = step_grads(step_fn, *pieces(x, t))
+        with torch.no_grad():
+            for n in mine:
+                mine[n] = mine[n] - run.lr * g[n]
+        elapsed = time.perf_counter() - start
+        # the undistributed model on the full batch
+        leaves = {n: v.clone().requires_grad_() for n, v in full.items()}
+        ref_loss = model.reference_loss(leaves, x, t)
+        ref_loss.backward()
+        grad_diff = max(float((g[n] - shard(leaves[n].grad, layouts[n])[rank]).abs().max())
+                        for n in g)
+        full = {n: (v - run.lr * leaves[n].grad).detach() for n, v in full.items()}
+        loss_sum, = _allreduce([float(value) if counts_loss else 0.0], dist.ReduceOp.SUM)
+        worst, bytes_max, seconds = _allreduce([grad_diff, step_bytes, elapsed],
+                                               dist.ReduceOp.MAX)
+        total_bytes, = _allreduce([step_bytes], dist.ReduceOp.SUM)
+        rows.append({"step": step, "loss": loss_sum, "ref_loss": float(ref_loss.detach()),
+                     "grad_diff": worst, "bytes_max": bytes_max, "bytes_total": total_bytes,
+                     "seconds": seconds})
+    param_diff = max(float((mine[n] - shard(full[n], layouts[n])[rank]).abs().max())
+                     for n in mine)
+    param_diff, compile_s = _allreduce([param_diff, compile_s], dist.ReduceOp.MAX)
+    world.destroy()
+    torch._dynamo.reset()
+    return {"variant": run.variant, "backend": run.backend, "rows": rows,
+            "param_diff": param_diff, "compile_s": compile_s}
+
+
+def train_worker(rank: int, world_size: int, runs: list[Run]) -> list[dict]:
+    """Every run on this rank (call on all ranks, e.g. via ``mimo_fx.launch.run_world``)."""
+    return [_train(rank, run) for run in runs]
+
+
+def table(results: list[dict]) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for res in results:
+        for r in res["rows"]:
+            rows.append([res["variant"], res["backend"], r["step"], f"{r['loss']:.6f}",
+                         f"{r['ref_loss']:.6f}", f"{r['grad_diff']:.1e}",
+                         format_bytes(r["bytes_max"], 1), format_bytes(r["bytes_total"], 1),
+                         f"{r['seconds'] * 1e3:.1f}"])
+    return tabulate(rows, headers=["variant", "backend", "step", "loss", "undistributed loss",
+                                   "max grad diff", "sent/rank (max)", "sent (all ranks)",
+                                   "ms/step"], disable_numparse=True)
+
+
+def check(results: list[dict]) -> list[str]:
+    """Failed checks, as messages."""
+    failures = []
+    for res in results:
+        name = res["variant"]
+        if not res["param_diff"] <= TOLERANCE:
+            failures.append(f"{name}: parameters differ from the undistributed model by "
+                            f"{res['param_diff']:.2e} > {TOLERANCE:.0e}")
+        for r in res["rows"]:
+            if abs(r["loss"] - r["ref_loss"]) > TOLERANCE * max(1.0, abs(r["ref_loss"])):
+                failures.append(f"{name} step {r['step']}: loss {r['loss']:.8f} vs "
+                                f"undistributed {r['ref_loss']:.8f}")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mimo_fx.e2e", description=__doc__.split(
+        "\n\n")[0])
+    parser.add_argument("--variant", action="append", choices=sorted(VARIANTS),
+                        help="layouts to train (repeatable; default: colocated and pipelined)")
+    parser.add_argument("--steps", type=int, default=3, help="SGD steps (default 3)")
+    parser.add_argument("--backend", default="aot_eager",
+                        help="torch.compile backend (aot_eager, inductor) or 'eager'")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the "
+                        "world is declared hung")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: need at least one step")
+    from .launch import run_world
+
+    variants = args.variant or ["colocated", "pipelined"]
+    runs = [Run(v, steps=args.steps, backend=args.backend) for v in variants]
+    print(f"training the toy MIMO model on 8 gloo processes: {', '.join(variants)}; "
+          f"{args.steps} steps, backend {args.backend} ...", flush=True)
+    start = time.perf_counter()
+    results = run_world(8, train_worker, runs, timeout=args.timeout)[0]
+    print(table(results))
+    for res in results:
+        print(f"{res['variant']}: max parameter difference after {args.steps} steps "
+              f"{res['param_diff']:.1e} (tolerance {TOLERANCE:.0e}); compile "
+              f"{res['compile_s']:.1f} s")
+    failures = check(results)
+    print(f"world run took {time.perf_counter() - start:.0f} s; "
+          + ("all checks passed" if not failures else "FAILED:\n  " + "\n  ".join(failures)))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
