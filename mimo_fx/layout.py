@@ -55,6 +55,13 @@ class Layout:
             ranks at other indices hold nothing.
         zigzag: axes that shard their dim load-balanced for causal attention: the dim
             is cut into 2*N chunks and index i holds chunks i and 2*N-1-i.
+        split: how a dim of uneven size is cut into shards. ``"tensor_split"`` (the
+            default): the first ``n % k`` of ``k`` shards get one more element, flat over
+            all the axes sharding the dim. ``"chunk"``: DTensor's ``torch.chunk`` rule,
+            ``ceil(n / k)`` per shard with trailing shards smaller or empty, applied axis
+            by axis (the outermost axis first, each cutting the previous axis's shard).
+            Both agree when every cut divides evenly. Zigzag dims ignore it (they must
+            divide evenly).
     """
 
     grid: Grid
@@ -62,6 +69,7 @@ class Layout:
     partial: tuple[str, ...]
     at: tuple[tuple[str, int], ...]
     zigzag: tuple[str, ...]
+    split: str
 
     def __init__(
         self,
@@ -71,6 +79,7 @@ class Layout:
         partial: tuple[str, ...] | list[str] | str = (),
         at: dict[str, int] | None = None,
         zigzag: tuple[str, ...] | list[str] | str = (),
+        split: str = "tensor_split",
     ) -> None:
         if not isinstance(grid, Grid):
             raise MimoFxError(f"Layout needs a Grid as first argument, got {grid!r}")
@@ -84,6 +93,7 @@ class Layout:
         object.__setattr__(self, "partial", _grid_order(partial, grid))
         object.__setattr__(self, "zigzag", _grid_order(zigzag, grid))
         object.__setattr__(self, "at", _normalise_at(at, grid, self.pattern))
+        object.__setattr__(self, "split", _check_split(split, grid, self.pattern))
         object.__setattr__(self, "_groups", groups)
         self._check_axes_usage()
 
@@ -185,6 +195,8 @@ class Layout:
             extra.append("zigzag " + ",".join(self.zigzag))
         if self.at:
             extra.append("at " + ",".join(f"{a}={i}" for a, i in self.at))
+        if self.split != "tensor_split":
+            extra.append(f"split {self.split}")
         return self.pattern + (f" [{'; '.join(extra)}]" if extra else "")
 
     def __repr__(self) -> str:
@@ -195,17 +207,19 @@ class Layout:
             args.append(f"at={dict(self.at)!r}")
         if self.zigzag:
             args.append(f"zigzag={self.zigzag!r}")
+        if self.split != "tensor_split":
+            args.append(f"split={self.split!r}")
         return f"Layout({', '.join(args)})"
 
     def __reduce__(self):
         return (_make_layout, (self.grid, self.pattern, self.partial, dict(self.at),
-                               self.zigzag))
+                               self.zigzag, self.split))
 
     # dataclass eq/hash use the declared fields only; _groups follows from them.
 
 
-def _make_layout(grid, pattern, partial, at, zigzag) -> Layout:
-    return Layout(grid, pattern, partial=partial, at=at, zigzag=zigzag)
+def _make_layout(grid, pattern, partial, at, zigzag, split="tensor_split") -> Layout:
+    return Layout(grid, pattern, partial=partial, at=at, zigzag=zigzag, split=split)
 
 
 # -- parsing ---------------------------------------------------------------------------
@@ -287,6 +301,17 @@ def _grid_order(axes: tuple[str, ...], grid: Grid) -> tuple[str, ...]:
     known = [a for a in grid.names if a in axes]
     return tuple(known) + tuple(a for a in axes if a not in grid.names) \
         if len(set(axes)) == len(axes) else axes
+
+
+SPLITS = ("tensor_split", "chunk")
+
+
+def _check_split(split, grid: Grid, pattern: str) -> str:
+    if split not in SPLITS:
+        raise MimoFxError(f"in layout {pattern!r} on {grid!r}: split={split!r} is not a known "
+                          f"rule; use one of {SPLITS} ('tensor_split': the first n%k shards "
+                          f"get one more; 'chunk': DTensor's torch.chunk sizes, axis by axis)")
+    return split
 
 
 def _normalise_at(at, grid: Grid, pattern: str) -> tuple[tuple[str, int], ...]:

@@ -16,7 +16,7 @@ import torch
 
 from .errors import MimoFxError
 from .layout import Layout
-from .regions import Box, Tiling, intersect, split_bounds
+from .regions import Box, Tiling, intersect, shard_bounds
 
 __all__ = ["to_canonical", "from_canonical", "local_shape", "box_slices", "infer_sizes",
            "take", "assemble", "Store", "local_indices",
@@ -142,7 +142,7 @@ def _local_extent(layout: Layout, factor, size: int, rank: int) -> int:
     parts = prod(sizes)
     if factor.axes[0] in layout.zigzag:
         return 2 * (size // (2 * parts))
-    lo, hi = split_bounds(size, parts)[k]
+    lo, hi = shard_bounds(size, sizes, layout.split)[k]
     return hi - lo
 
 

@@ -305,7 +305,8 @@ def backward_plan(
 def _star(layout: Layout) -> Layout:
     if not layout.partial:
         return layout
-    return Layout(layout.grid, layout.pattern, at=dict(layout.at), zigzag=layout.zigzag)
+    return Layout(layout.grid, layout.pattern, at=dict(layout.at), zigzag=layout.zigzag,
+                  split=layout.split)
 
 
 @cache
@@ -320,7 +321,7 @@ def _bwd_dst(dst: Layout, grad_partial: tuple[str, ...]) -> Layout:
     if not grad_partial and not dst.partial:
         return dst
     return Layout(dst.grid, dst.pattern, partial=grad_partial, at=dict(dst.at),
-                  zigzag=dst.zigzag)
+                  zigzag=dst.zigzag, split=dst.split)
 
 
 def check_sizes(src: Layout, dst: Layout, sizes: dict[str, int]) -> tuple[tuple[str, int], ...]:

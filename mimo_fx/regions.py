@@ -23,7 +23,8 @@ from .errors import MimoFxError
 from .grid import Grid
 from .layout import Layout
 
-__all__ = ["split_bounds", "DimTiling", "Tiling", "Box", "box_volume", "intersect"]
+__all__ = ["split_bounds", "chunk_bounds", "shard_bounds", "DimTiling", "Tiling", "Box",
+           "box_volume", "intersect"]
 
 Interval = tuple[int, int]
 Box = tuple[Interval, ...]
@@ -38,6 +39,30 @@ def split_bounds(size: int, parts: int) -> tuple[Interval, ...]:
         out.append((start, stop))
         start = stop
     return tuple(out)
+
+
+def chunk_bounds(size: int, sizes: list[int] | tuple[int, ...]) -> tuple[Interval, ...]:
+    """DTensor's split over several axes, the first outermost: each axis cuts the
+    interval the previous axes left into ``torch.chunk`` pieces of ``ceil(n / k)``, the
+    trailing ones smaller or empty (an empty interval starts where its interval ends).
+    One interval per flat shard index (first axis slowest)."""
+    out: list[Interval] = [(0, size)]
+    for parts in sizes:
+        nxt = []
+        for lo, hi in out:
+            step = -(-(hi - lo) // parts)
+            nxt.extend((min(lo + k * step, hi), min(lo + (k + 1) * step, hi))
+                       for k in range(parts))
+        out = nxt
+    return tuple(out)
+
+
+def shard_bounds(size: int, sizes: list[int] | tuple[int, ...], split: str) -> tuple[Interval, ...]:
+    """Per flat shard index, the interval of a dim of ``size`` cut over axes of ``sizes``
+    under a layout's ``split`` rule (see :class:`~mimo_fx.layout.Layout`)."""
+    if split == "chunk":
+        return chunk_bounds(size, sizes)
+    return split_bounds(size, prod(sizes))
 
 
 def zigzag_bounds(size: int, parts: int) -> tuple[tuple[Interval, ...], ...]:
@@ -70,6 +95,7 @@ class DimTiling:
     size: int
     axes: tuple[str, ...]
     intervals: tuple[Interval, ...]  # sorted by start, non-empty, disjoint, covering
+    # (owners whose shard is empty, as uneven splits may leave, own no interval)
     owners: tuple[tuple[int, ...], ...]
 
     @cached_property
@@ -106,7 +132,8 @@ class DimTiling:
         return DimTiling(self.size, self.axes + axes, tuple(intervals), tuple(owners))
 
 
-def _dim_tiling(size: int, axes: tuple[str, ...], grid: Grid, zigzag: bool) -> DimTiling:
+def _dim_tiling(size: int, axes: tuple[str, ...], grid: Grid, zigzag: bool,
+                split: str = "tensor_split") -> DimTiling:
     if not axes:
         return DimTiling(size, (), ((0, size),) if size else (), ((),) if size else ())
     sizes = [grid.axis_size(a) for a in axes]
@@ -114,7 +141,7 @@ def _dim_tiling(size: int, axes: tuple[str, ...], grid: Grid, zigzag: bool) -> D
     if zigzag:
         per_shard = zigzag_bounds(size, parts)
     else:
-        per_shard = tuple((iv,) for iv in split_bounds(size, parts))
+        per_shard = tuple((iv,) for iv in shard_bounds(size, sizes, split))
     pieces = []
     for k, intervals in enumerate(per_shard):
         owner = _unflatten(k, sizes)
@@ -157,7 +184,7 @@ class Tiling:
                         f"{sizes[dim]} is not divisible by {2 * parts}; pad {dim!r} to a "
                         f"multiple of {2 * parts} or drop zigzag"
                     )
-            tilings.append(_dim_tiling(sizes[dim], axes, layout.grid, is_zigzag))
+            tilings.append(_dim_tiling(sizes[dim], axes, layout.grid, is_zigzag, layout.split))
         return Tiling(layout.grid, dims, tuple(tilings), layout.at)
 
     @cached_property

@@ -2,7 +2,9 @@
 
 Written independently of the planner's region code: shards come from
 ``torch.tensor_split`` / ``torch.chunk`` and ``einops.rearrange``, so tests comparing a
-plan's result with ``shard(X, dst)`` check the planner against separate math.
+plan's result with ``shard(X, dst)`` check the planner against separate math. Layouts
+with ``split="chunk"`` are cut as DTensor cuts them: ``torch.chunk`` once per axis, the
+outermost axis first, shards past the last chunk empty.
 
 >>> import torch
 >>> from mimo_fx import Grid, Layout
@@ -44,6 +46,11 @@ def _shard_index(layout: Layout, rank: int, dim: str, size: int) -> torch.Tensor
                               f"divisible by 2*{parts}; pad {dim!r}")
         chunks = index.chunk(2 * parts)
         return torch.cat([chunks[k], chunks[2 * parts - 1 - k]])
+    if layout.split == "chunk":
+        for a in axes:
+            chunks = index.chunk(layout.grid.axis_size(a))
+            index = chunks[coord[a]] if coord[a] < len(chunks) else index[:0]
+        return index
     return torch.tensor_split(index, parts)[k]
 
 

@@ -72,6 +72,7 @@ REPR_CASES = [
     Layout(G4, "(dp b) s h", partial=("tp", "cp")),
     Layout(G4, "(dp b) (cp s) h", partial="tp", at={"pp": -1}, zigzag=("cp",)),
     Layout(Grid(tp=2, pp=3, offset=6), "b (tp h)", at={"pp": 1}),
+    Layout(G4, "(dp cp b) (tp h)", partial="pp", split="chunk"),
 ]
 
 
@@ -103,6 +104,31 @@ def test_equality_and_hash():
     assert Layout(G, "b s") != Layout(Grid(tp=2, cp=2, dp=2, offset=8), "b s")
     assert Layout(G, "(cp s)") != Layout(G, "(cp s)", zigzag="cp")
     assert Layout(G, "b") != Layout(G, "b", partial="tp")
+    assert Layout(G, "(dp b)") == Layout(G, "(dp b)", split="tensor_split")
+    assert Layout(G, "(dp b)") != Layout(G, "(dp b)", split="chunk")
+
+
+def test_split_repr_describe_and_pickle():
+    layout = Layout(G4, "(dp b) s", at={"pp": 0}, split="chunk")
+    assert repr(layout) == ("Layout(Grid(tp=2, cp=2, pp=2, dp=2), '(dp b) s', at={'pp': 0}, "
+                            "split='chunk')")
+    assert layout.describe() == "(dp b) s [at pp=0; split chunk]"
+    assert pickle.loads(pickle.dumps(layout)).split == "chunk"
+    assert "split" not in repr(Layout(G4, "(dp b) s"))
+
+
+def test_split_changes_the_plan_and_gradient_layout():
+    """Plans key on the split; the adjoint keeps it (src* and the dst cotangent layout)."""
+    from mimo_fx.plan import backward_plan
+
+    src = Layout(Grid(dp=4), "(dp b) h", partial=(), split="chunk")
+    dst = Layout(Grid(tp=4), "b (tp h)", split="chunk")
+    sizes = {"b": 5, "h": 6}
+    p = plan(src, dst, sizes)
+    assert p is not plan(Layout(Grid(dp=4), "(dp b) h"), dst, sizes)
+    bwd = backward_plan(src, dst, sizes)
+    assert bwd.src.split == "chunk" and bwd.dst.split == "chunk"
+    assert p.hold.segments(3) == ((), ((0, 6),))  # 5 by 4 in chunks: 2, 2, 1, empty
 
 
 # -- holds / holders -----------------------------------------------------------------------
@@ -170,6 +196,9 @@ def esc(s: str) -> str:
     (G, "(dp cp s) h", {"zigzag": "cp"},
      r"zigzag axis 'cp' must be the only axis sharding 's', found \('dp', 'cp'\)"),
     (G, "(cp dp s) h", {"zigzag": "cp"}, r"zigzag axis 'cp' must be the only axis sharding 's'"),
+    (G, "(dp b) h", {"split": "even"},
+     r"split='even' is not a known rule; use one of \('tensor_split', 'chunk'\)"),
+    (G, "(dp b) h", {"split": None}, r"split=None is not a known rule"),
 ])
 def test_layout_errors(grid, pattern, kwargs, match):
     with pytest.raises(MimoFxError, match=match):

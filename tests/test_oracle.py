@@ -58,6 +58,16 @@ CASES = {
     "dp_cp_b-6-over-4": (  # tensor_split sizes 2,2,1,1 (torch.chunk would give 2,2,2)
         {"cp": 2, "dp": 2}, 0, "(dp cp b) s", {}, (6, 2),
         lambda x, c: x[[[0, 1], [2, 3], [4], [5]][2 * c["dp"] + c["cp"]]], {}),
+    "chunk-6-over-4": (  # torch.chunk per axis: dp halves 3,3, then cp cuts each 2,1
+        {"cp": 2, "dp": 2}, 0, "(dp cp b) s", {"split": "chunk"}, (6, 2),
+        lambda x, c: x[[[0, 1], [2], [3, 4], [5]][2 * c["dp"] + c["cp"]]], {}),
+    "chunk-5-over-4-empty": (  # flat chunk of 5 by 4: 2,2,1 and an empty fourth shard
+        {"dp": 4}, 0, "(dp b) h", {"split": "chunk"}, (5, 2),
+        lambda x, c: x[[[0, 1], [2, 3], [4], []][c["dp"]]], {"b": 5}),
+    "chunk-7-over-3-nested-empty": (  # dp: 4,3; tp cuts 4 into 2,2,0 and 3 into 1,1,1
+        {"tp": 3, "dp": 2}, 0, "h (dp tp b)", {"split": "chunk"}, (2, 7),
+        lambda x, c: x[:, [[0, 1], [2, 3], [], [4], [5], [6]][3 * c["dp"] + c["tp"]]],
+        {"b": 7}),
     "zigzag-cp2": (
         {"cp": 2, "dp": 2}, 0, "(cp s) h", {"zigzag": "cp"}, (8, 3),
         lambda x, c: zigzag_rows(x, 2, c["cp"]), {}),

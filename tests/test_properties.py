@@ -3,7 +3,8 @@
 For any src/dst pair: the forward equals ``shard(X, dst)``, the vjp fed ``shard(G, dst)``
 returns ``shard(G, src*)``, and the plan sends every rank exactly the bytes it needs and
 does not hold (the lower bound), or for partial inputs at most that plus the
-bandwidth-optimal reduction volume.
+bandwidth-optimal reduction volume. Layouts draw either split rule (``tensor_split`` or
+DTensor's nested ``chunk``, whose uneven sizes leave trailing shards empty).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_plan import box_mask, index_mask, received
-from test_reference import star
 
 from mimo_fx import Grid, Layout, plan
 from mimo_fx.reference import redistribute, shard
@@ -56,7 +56,9 @@ def layouts(draw, grid: Grid, allow_partial: bool) -> tuple[Layout, dict[str, in
         pattern = f"({factors[order[0]]} {factors[order[1]]}) ({factors[order[2]]})"
     else:
         pattern = " ".join(f"({factors[d]})" for d in order)
-    layout = Layout(grid, pattern, partial=tuple(partial), at=at, zigzag=tuple(zigzag))
+    split = draw(st.sampled_from(["tensor_split", "chunk"]))
+    layout = Layout(grid, pattern, partial=tuple(partial), at=at, zigzag=tuple(zigzag),
+                    split=split)
     return layout, multiple
 
 
@@ -80,6 +82,12 @@ def pairs(draw):
             multiple = m1[dim] * m2[dim]
         sizes[dim] = multiple * draw(st.integers(1, 3 if multiple > 1 else 9))
     return src, dst, sizes
+
+
+def star(layout: Layout) -> Layout:
+    """The layout with partial axes replicated (what gradients look like)."""
+    return Layout(layout.grid, layout.pattern, at=dict(layout.at), zigzag=layout.zigzag,
+                  split=layout.split)
 
 
 SETTINGS = settings(max_examples=120, deadline=None,
