@@ -9,13 +9,19 @@ tensors; the reference backend passes every rank's piece, the compiled backend o
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Protocol
 
 import torch
 
 from .errors import MimoFxError
-from .layout import Layout
+
+
+def is_dtensor(x) -> bool:
+    """Whether ``x`` is a DTensor (without importing DTensor if nobody has)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
 
 __all__ = ["Executor", "apply", "redistribute"]
 
@@ -49,16 +55,18 @@ def apply(executor: Executor, fwd, bwd, tensors) -> tuple[torch.Tensor, ...]:
     return _Redistribute.apply(executor, fwd, bwd, *tensors)
 
 
-def redistribute(x, src: Layout, dst: Layout, *, grad_partial=(), **sizes):
+def redistribute(x, src, dst, *, grad_partial=(), **sizes):
     """Move a tensor from layout ``src`` to layout ``dst``; differentiable.
 
     ``x`` is either this rank's local tensor (``None`` on ranks holding no src piece)
     inside an initialised process group -- the compiled backend, see
     :mod:`mimo_fx.compiled` -- or a dict ``{rank: local tensor}`` holding every src
     rank's piece, which the reference backend runs for the whole world in this process,
-    returning a dict for the dst ranks. ``sizes`` gives global dim sizes the local shapes
-    cannot tell; compiled-backend options (``comm_dtype``, ``checked``, ``dtype``) pass
-    through ``sizes``' keywords.
+    returning a dict for the dst ranks. A DTensor is moved to another mesh:
+    ``redistribute(dtensor, dst_mesh, dst_placements)`` returns a DTensor on
+    ``dst_mesh`` (see :func:`mimo_fx.dtensor.redistribute_dtensor`). ``sizes`` gives
+    global dim sizes the local shapes cannot tell; compiled-backend options
+    (``comm_dtype``, ``checked``, ``dtype``) pass through ``sizes``' keywords.
     ``grad_partial`` names dst replicated axes whose cotangents are per-replica
     contributions to be summed (e.g. a zero-padding CP ``index_select``).
 
@@ -76,6 +84,10 @@ def redistribute(x, src: Layout, dst: Layout, *, grad_partial=(), **sizes):
         from .reference import redistribute as reference_redistribute
 
         return reference_redistribute(x, src, dst, grad_partial=grad_partial, **sizes)
+    if is_dtensor(x):
+        from .dtensor import redistribute_dtensor
+
+        return redistribute_dtensor(x, src, dst, grad_partial=grad_partial, **sizes)
     if x is not None and not isinstance(x, torch.Tensor):
         raise MimoFxError(f"redistribute takes a tensor, None, or a dict {{rank: tensor}}; "
                           f"got {type(x).__name__}")

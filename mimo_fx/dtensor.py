@@ -1,0 +1,462 @@
+"""DTensor interop: DeviceMesh + placements <-> Layout, and cross-mesh redistribute.
+
+PyTorch's DTensor redistributes only within one DeviceMesh. A DTensor's
+``(mesh, placements, global shape)`` is a mimo_fx :class:`~mimo_fx.layout.Layout` plus
+sizes, so :func:`redistribute_dtensor` moves it to *another* mesh with mimo_fx's plans.
+
+What maps to what:
+
+- A mesh is a :class:`~mimo_fx.grid.Grid` when its rank tensor is an axis permutation of
+  a contiguous range (``offset`` + mixed radix): ``init_device_mesh`` meshes are
+  row-major, the LAST mesh dim fastest, so mesh ``("dp", "tp")`` of shape ``(4, 2)`` is
+  ``Grid(tp=2, dp=4)``. Grid axes take the mesh dim names (``m0``, ``m1``, ... when the
+  mesh has none) and are ordered by stride.
+- Tensor dims are named ``d0``, ``d1``, ... (or ``dims=``), one pattern group each.
+- ``Shard(i)`` on mesh dim ``m`` puts axis ``m`` in dim i's group; several mesh dims
+  sharding one dim are nested in placement order (mesh dim 0 outermost), as DTensor
+  does. ``Replicate()`` leaves the axis out; ``Partial("sum")`` makes it partial.
+- DTensor cuts uneven dims with ``torch.chunk`` sizes per mesh dim; the layout gets
+  ``split="chunk"`` where that differs from mimo_fx's default ``tensor_split``.
+
+>>> import torch
+>>> layout, sizes = layout_from_dtensor(torch.arange(8).reshape(4, 2), ["Shard(0)",
+...                                     "Partial()"], (10, 3), mesh_dim_names=("dp", "tp"))
+>>> layout, sizes
+(Layout(Grid(tp=2, dp=4), '(dp d0) d1', partial=('tp',), split='chunk'), {'d0': 10, 'd1': 3})
+>>> spec = dtensor_layout(layout, sizes)
+>>> spec.mesh_dim_names, spec.mesh_shape, spec.placements
+(('dp', 'tp'), (4, 2), (Shard(dim=0), Partial(sum)))
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+from .errors import MimoFxError
+from .grid import Grid
+from .layout import Layout
+from .op import is_dtensor
+from .regions import chunk_bounds, split_bounds
+
+__all__ = ["DTensorLayout", "grid_from_mesh", "layout_from_dtensor", "dtensor_layout",
+           "redistribute_dtensor", "prepare", "is_dtensor"]
+
+
+# -- placements ------------------------------------------------------------------------------
+_PLACEMENT_TEXT = re.compile(r"^(Shard|Replicate|Partial)\((.*)\)$")
+
+
+def _placement_kind(p, mesh_dim: int, ndim: int) -> tuple[str, int | None]:
+    """``("shard", dim) | ("replicate", None) | ("partial", None)`` for a placement
+    object, or its text (``"Shard(0)"``, ``"Replicate()"``, ``"Partial()"``)."""
+    where = f"placement {p!r} on mesh dim {mesh_dim}"
+    if isinstance(p, str):
+        match = _PLACEMENT_TEXT.match(p.replace(" ", ""))
+        if not match:
+            raise MimoFxError(f"{where}: not a placement; use Shard(dim), Replicate() or "
+                              f"Partial()")
+        kind, arg = match.groups()
+        if kind == "Shard":
+            if not re.fullmatch(r"-?\d+", arg):
+                raise MimoFxError(f"{where}: Shard needs an integer tensor dim")
+            return "shard", _norm_dim(int(arg), ndim, where)
+        if kind == "Partial" and arg not in ("", "sum", "'sum'", '"sum"'):
+            raise _reduce_op_error(where, arg)
+        return kind.lower(), None
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if type(p) is Shard:
+        return "shard", _norm_dim(p.dim, ndim, where)
+    if type(p) is Replicate:
+        return "replicate", None
+    if type(p) is Partial:
+        if p.reduce_op != "sum":
+            raise _reduce_op_error(where, p.reduce_op)
+        return "partial", None
+    raise MimoFxError(f"{where}: mimo_fx maps Shard(dim), Replicate() and Partial('sum') only; "
+                      f"{type(p).__name__} (e.g. a strided or masked placement) has no "
+                      f"layout. Redistribute to one of those with DTensor first")
+
+
+def _reduce_op_error(where: str, op) -> MimoFxError:
+    return MimoFxError(f"{where}: Partial reduce op {op!r} is not supported; mimo_fx layouts "
+                       f"hold partial SUMS only. Reduce it with DTensor first "
+                       f"(dtensor.redistribute(mesh, [Replicate()...])) or use Partial('sum')")
+
+
+def _norm_dim(dim: int, ndim: int, where: str) -> int:
+    if not -ndim <= dim < ndim:
+        raise MimoFxError(f"{where}: tensor dim {dim} is out of range for a {ndim}-dim tensor")
+    return dim % ndim
+
+
+# -- meshes ----------------------------------------------------------------------------------
+def _mesh_parts(mesh, mesh_dim_names) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """The rank tensor and the dim names of a DeviceMesh, a rank tensor or nested lists."""
+    names = mesh_dim_names
+    if hasattr(mesh, "mesh") and hasattr(mesh, "mesh_dim_names"):  # a DeviceMesh
+        ranks = mesh.mesh
+        names = names if names is not None else mesh.mesh_dim_names
+    else:
+        try:
+            ranks = torch.as_tensor(mesh)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise MimoFxError(f"mesh {mesh!r}: give a DeviceMesh, a rank tensor or nested "
+                              f"lists of ranks ({err})") from None
+    if ranks.dim() == 0 or ranks.numel() == 0 or ranks.is_floating_point():
+        raise MimoFxError(f"mesh ranks {ranks.tolist()!r}: need an integer tensor with at "
+                          f"least one dim and one rank")
+    ranks = ranks.to(torch.int64).cpu()
+    if names is None:
+        names = tuple(f"m{i}" for i in range(ranks.dim()))
+    names = tuple(names)
+    if len(names) != ranks.dim():
+        raise MimoFxError(f"mesh of shape {tuple(ranks.shape)} has {ranks.dim()} dims but "
+                          f"{len(names)} names {names}")
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise MimoFxError(f"mesh dim name {name!r} is not an identifier; mimo_fx names "
+                              f"grid axes after mesh dims (rename it, e.g. 'dp_shard')")
+    if len(set(names)) != len(names):
+        raise MimoFxError(f"mesh dim names {names} repeat a name")
+    return ranks, names
+
+
+def grid_from_mesh(mesh, mesh_dim_names: Sequence[str] | None = None) -> Grid:
+    """The :class:`Grid` of a DeviceMesh (or of a rank tensor / nested lists of ranks).
+
+    The mesh's ranks must be an axis permutation of a contiguous range: every mesh dim
+    steps ranks by a fixed positive stride and the strides, sorted, form a mixed radix.
+    Grid axes are the mesh dims ordered by stride (fastest first), named after them.
+
+    >>> grid_from_mesh([[0, 1], [2, 3], [4, 5], [6, 7]], ("dp", "tp"))
+    Grid(tp=2, dp=4)
+    >>> grid_from_mesh([[4, 6], [5, 7]])
+    Grid(m0=2, m1=2, offset=4)
+    """
+    ranks, names = _mesh_parts(mesh, mesh_dim_names)
+    return _grid(ranks, names)
+
+
+def _grid(ranks: torch.Tensor, names: tuple[str, ...]) -> Grid:
+    flat = ranks.flatten().tolist()
+    shape = tuple(ranks.shape)
+    offset, size = min(flat), len(flat)
+    where = f"mesh {names} of shape {shape} with ranks {ranks.tolist()}"
+    if sorted(flat) != list(range(offset, offset + size)):
+        seen = set(flat)
+        missing = [r for r in range(offset, max(flat) + 1) if r not in seen]
+        twice = sorted({r for r in flat if flat.count(r) > 1})
+        raise MimoFxError(
+            f"{where}: a mimo_fx grid covers a contiguous range of ranks once each, but "
+            + (f"ranks {missing[:8]} are missing from the range {offset}..{max(flat)}"
+               if missing else f"ranks {twice[:8]} appear twice")
+            + ". A submesh (e.g. mesh['dp'] of a 2-D mesh) is not a grid: use the whole mesh "
+              "with Replicate() on the other mesh dims")
+    strides = []
+    for i, n in enumerate(shape):
+        if n == 1:
+            strides.append(None)
+            continue
+        step = ranks.select(i, 1).flatten()[0].item() - ranks.select(i, 0).flatten()[0].item()
+        if step <= 0:
+            raise MimoFxError(f"{where}: mesh dim {names[i]!r} steps ranks by {step}; a grid "
+                              f"axis counts ranks upwards (flip that mesh dim)")
+        strides.append(step)
+    index = torch.zeros(shape, dtype=torch.int64) + offset
+    for i, (n, s) in enumerate(zip(shape, strides)):
+        if s is not None:
+            index = index + (torch.arange(n) * s).reshape([n if k == i else 1
+                                                            for k in range(len(shape))])
+    if not torch.equal(index, ranks):
+        bad = (index != ranks).nonzero()[0].tolist()
+        raise MimoFxError(f"{where}: rank {ranks[tuple(bad)].item()} at mesh coordinate "
+                          f"{tuple(bad)} breaks the fixed stride per mesh dim "
+                          f"({dict(zip(names, strides))}); mimo_fx grids are axis "
+                          f"permutations of a mixed-radix range")
+    order = sorted(range(len(shape)), key=lambda i: (_virtual_stride(i, shape, strides), -i))
+    acc = 1
+    for i in order:  # a bijective affine map onto a range is mixed radix
+        assert strides[i] is None or strides[i] == acc, (where, strides)
+        acc *= shape[i]
+    return Grid(offset=offset, **{names[i]: shape[i] for i in order})
+
+
+def _virtual_stride(i: int, shape, strides) -> int:
+    """A size-1 mesh dim sits just outside the next larger mesh dim after it (where
+    row-major order puts it)."""
+    if strides[i] is not None:
+        return strides[i]
+    later = [j for j in range(i + 1, len(shape)) if strides[j] is not None]
+    return strides[later[0]] * shape[later[0]] if later else 1
+
+
+# -- DTensor -> Layout -----------------------------------------------------------------------
+def layout_from_dtensor(mesh, placements: Sequence, shape: Sequence[int], *,
+                        dims: Sequence[str] | None = None,
+                        mesh_dim_names: Sequence[str] | None = None
+                        ) -> tuple[Layout, dict[str, int]]:
+    """The layout and sizes of a DTensor on ``mesh`` with ``placements`` and global
+    ``shape``.
+
+    ``mesh`` is a DeviceMesh, a rank tensor or nested lists; ``placements`` holds one
+    placement per mesh dim (objects or their text, ``"Shard(0)"``); tensor dims are named
+    ``dims`` (default ``d0, d1, ...``). Where DTensor's ``torch.chunk`` split of an uneven
+    dim differs from ``tensor_split``, the layout has ``split="chunk"``.
+    """
+    ranks, names = _mesh_parts(mesh, mesh_dim_names)
+    shape = tuple(int(n) for n in shape)
+    if not shape:
+        raise MimoFxError("a 0-dim DTensor has no layout: mimo_fx layouts name at least one "
+                          "dim (reshape it to (1,))")
+    dims = tuple(dims) if dims is not None else tuple(f"d{i}" for i in range(len(shape)))
+    if len(dims) != len(shape):
+        raise MimoFxError(f"dims {dims} name {len(dims)} dims but the shape {shape} has "
+                          f"{len(shape)}")
+    clash = sorted(set(dims) & set(names))
+    if clash:
+        raise MimoFxError(f"tensor dim names {clash} are also mesh dim names {names}; pass "
+                          f"other dims= names")
+    if len(placements) != ranks.dim():
+        raise MimoFxError(f"mesh {names} has {ranks.dim()} dims but {len(placements)} "
+                          f"placements {tuple(placements)} are given; give one per mesh dim")
+    grid = _grid(ranks, names)
+    shard: dict[int, list[str]] = {i: [] for i in range(len(shape))}
+    partial = []
+    for mesh_dim, (name, p) in enumerate(zip(names, placements)):
+        kind, dim = _placement_kind(p, mesh_dim, len(shape))
+        if kind == "shard":
+            shard[dim].append(name)
+        elif kind == "partial":
+            partial.append(name)
+    pattern = " ".join(f"({' '.join([*shard[i], d])})" for i, d in enumerate(dims))
+    sizes = dict(zip(dims, shape))
+    split = "tensor_split"
+    for i, n in enumerate(shape):
+        axis_sizes = [grid.axis_size(a) for a in shard[i]]
+        if axis_sizes and not _splits_agree(n, axis_sizes):
+            split = "chunk"
+    return Layout(grid, pattern, partial=tuple(partial), split=split), sizes
+
+
+def _splits_agree(size: int, axis_sizes: list[int]) -> bool:
+    return chunk_bounds(size, axis_sizes) == split_bounds(size, prod(axis_sizes))
+
+
+# -- Layout -> DTensor -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class DTensorLayout:
+    """A layout as DTensor sees it: a mesh (dim names, shape, rank tensor as nested
+    tuples), one placement per mesh dim and the global shape."""
+
+    mesh_dim_names: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    ranks: tuple
+    placements: tuple
+    shape: tuple[int, ...]
+
+    @property
+    def row_major(self) -> bool:
+        """Whether ``init_device_mesh(device, mesh_shape)`` builds this mesh (ranks from 0,
+        the last mesh dim fastest) in a world of exactly these ranks."""
+        flat = torch.tensor(self.ranks).flatten().tolist()
+        return flat == list(range(len(flat)))
+
+    def device_mesh(self, device_type: str = "cpu"):
+        """The DeviceMesh (needs torch.distributed initialised, on every rank)."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        if self.row_major and dist.get_world_size() == prod(self.mesh_shape):
+            return init_device_mesh(device_type, self.mesh_shape,
+                                    mesh_dim_names=self.mesh_dim_names)
+        return DeviceMesh(device_type, torch.tensor(self.ranks),
+                          mesh_dim_names=self.mesh_dim_names)
+
+
+def dtensor_layout(layout: Layout, sizes: dict[str, int]) -> DTensorLayout:
+    """The DTensor mesh, placements and shape of ``layout`` with global ``sizes``.
+
+    Tensor dims follow the pattern's order. Mesh dims are the grid axes slowest first
+    (so an offset-0 grid is an ``init_device_mesh`` mesh), reordered only where several
+    axes shard one dim outermost-first against that order. Not expressible (raises
+    :class:`MimoFxError`): zigzag, ``at=`` pinning, groups flattening several dims, and
+    uneven ``tensor_split`` dims that DTensor's chunk rule would cut differently.
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    _check_expressible(layout, sizes)
+    order = _mesh_order(layout)
+    grid = layout.grid
+    k = len(grid.names)
+    base = torch.arange(grid.size).reshape(tuple(reversed(grid.sizes)))
+    ranks = base.permute([k - 1 - grid.axis_index(a) for a in order]) + grid.offset
+    placements = []
+    for axis in order:
+        sharded = [d for d, axes in layout.sharding.items() if axis in axes]
+        if sharded:
+            placements.append(Shard(layout.dims.index(sharded[0])))
+        elif axis in layout.partial:
+            placements.append(Partial())
+        else:
+            placements.append(Replicate())
+    return DTensorLayout(tuple(order), tuple(grid.axis_size(a) for a in order),
+                         _nested(ranks.tolist()), tuple(placements),
+                         tuple(sizes[d] for d in layout.dims))
+
+
+def _nested(value):
+    return tuple(_nested(v) for v in value) if isinstance(value, list) else value
+
+
+def _check_expressible(layout: Layout, sizes: dict[str, int]) -> None:
+    def fail(why: str) -> MimoFxError:
+        return MimoFxError(f"layout {layout.describe()!r} on {layout.grid!r} has no DTensor "
+                           f"placements: {why}")
+
+    if layout.zigzag:
+        raise fail(f"zigzag over {layout.zigzag} gives a rank two chunks of a dim; DTensor "
+                   f"shards are contiguous (keep this bridge in mimo_fx)")
+    if layout.at:
+        raise fail(f"at={dict(layout.at)} pins it to one pipeline stage; a DTensor lives on "
+                   f"its whole mesh (use a mesh of that stage's ranks)")
+    flat = [g for g in layout.groups if len(g) > 1]
+    if flat:
+        names = " ".join(f.dim for f in flat[0])
+        raise fail(f"local dim ({names}) flattens several dims; a DTensor local tensor has one "
+                   f"dim per tensor dim (unflatten it first)")
+    missing = [d for d in layout.dims if d not in sizes]
+    if missing:
+        raise MimoFxError(f"dtensor_layout needs the size of every dim of {layout.pattern!r}; "
+                          f"missing {missing}")
+    if layout.split == "chunk":
+        return
+    for d, axes in layout.sharding.items():
+        axis_sizes = [layout.grid.axis_size(a) for a in axes]
+        if axes and not _splits_agree(sizes[d], axis_sizes):
+            ts = [b - a for a, b in split_bounds(sizes[d], prod(axis_sizes))]
+            ch = [b - a for a, b in chunk_bounds(sizes[d], axis_sizes)]
+            raise fail(f"dim {d!r} of size {sizes[d]} over {axes}: tensor_split gives shards "
+                       f"{ts}, DTensor's chunk rule {ch}; use Layout(..., split='chunk') or a "
+                       f"size divisible by {prod(axis_sizes)}")
+
+
+def _mesh_order(layout: Layout) -> list[str]:
+    """Grid axes slowest first, except that the axes sharding one dim keep their
+    outermost-first order (DTensor nests shards in mesh-dim order)."""
+    before = {}
+    for axes in layout.sharding.values():
+        for outer, inner in zip(axes, axes[1:]):
+            before[inner] = outer
+    left = list(reversed(layout.grid.names))
+    order: list[str] = []
+    while left:
+        axis = next(a for a in left if before.get(a) is None or before[a] in order)
+        order.append(axis)
+        left.remove(axis)
+    return order
+
+
+# -- redistribute ----------------------------------------------------------------------------
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def _layouts(src_mesh, src_placements, shape, dst_mesh, dst_placements):
+    src, sizes = layout_from_dtensor(src_mesh, src_placements, shape)
+    dst, _ = layout_from_dtensor(dst_mesh, dst_placements, shape)
+    return src, dst, sizes
+
+
+# Prepared bridges by index. Under torch.compile the index is computed once at trace time
+# (plain Python on the meshes' rank tensors, which Dynamo cannot trace) and the bridge is
+# read from this list, so the graph holds only the bridge's collectives.
+_BRIDGES: list = []
+_INDEX: dict[tuple, int] = {}
+
+
+@torch.compiler.assume_constant_result
+def _bridge_index(src_mesh, src_placements, shape, dst_mesh, dst_placements, dtype,
+                  grad_partial, comm_dtype, checked) -> int:
+    from .compiled import prepare as compiled_prepare
+
+    try:
+        src, dst, sizes = _layouts(src_mesh, src_placements, shape, dst_mesh, dst_placements)
+        key = (src, dst, tuple(sizes.items()), dtype, grad_partial, comm_dtype, checked)
+        index = _INDEX.get(key)
+        live = index is not None and _BRIDGES[index]._live
+        if not live and torch.compiler.is_compiling():
+            raise MimoFxError(
+                "under torch.compile its process groups must be prepared first: call it "
+                "once eagerly, or mimo_fx.dtensor.prepare(x, dst_mesh, dst_placements), on "
+                "every rank before compiling")
+        bridge = compiled_prepare(src, dst, sizes, dtype, grad_partial=grad_partial,
+                                  comm_dtype=comm_dtype, checked=checked)
+    except MimoFxError as err:
+        raise MimoFxError(f"redistribute DTensor of shape {shape} from {src_placements} on "
+                          f"{src_mesh} to {dst_placements} on {dst_mesh}: {err}") from None
+    if index is None:
+        index = _INDEX[key] = len(_BRIDGES)
+        _BRIDGES.append(bridge)
+    _BRIDGES[index] = bridge
+    return index
+
+
+def _index_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked) -> int:
+    return _bridge_index(x.device_mesh, tuple(x.placements), tuple(x.shape), dst_mesh,
+                         tuple(dst_placements), x.dtype, tuple(grad_partial), comm_dtype,
+                         checked)
+
+
+def prepare(x, dst_mesh, dst_placements: Sequence, *, grad_partial=(), comm_dtype=None,
+            checked: bool = False) -> None:
+    """Create, on every rank, the process groups :func:`redistribute_dtensor` needs, so
+    that it traces under ``torch.compile`` (one eager call does the same)."""
+    _index_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked)
+
+
+def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=(),
+                         comm_dtype=None, checked: bool = False):
+    """Move DTensor ``x`` to ``dst_mesh`` with ``dst_placements``; differentiable.
+
+    Every rank of the world calls it (mimo_fx, like DeviceMesh, creates process groups
+    over the whole world) with the DTensor it holds: on ranks outside ``x``'s mesh that
+    is DTensor's empty placeholder. Returns:
+
+    - on ranks of ``dst_mesh``: a DTensor on ``dst_mesh`` with ``dst_placements`` (its
+      local tensor may be empty where DTensor's chunk rule leaves a shard empty);
+    - on ranks of ``x``'s mesh only: an empty plain tensor (one dim per tensor dim),
+      linked to ``x`` by autograd. Backpropagate through it (``y.sum().backward()``), as
+      every rank of both meshes must, so that all issue the same collectives backward.
+      (It is not a DTensor because DTensor cannot backpropagate through the placeholder
+      it keeps on ranks outside its mesh);
+    - on ranks outside both meshes: ``None``.
+
+    Gradients reach ``x``'s local tensor through mimo_fx's custom vjp, with DTensor's
+    conventions: a Partial source gets a replicated gradient, a Replicate destination's
+    cotangents are taken as equal on every replica (as after ``full_tensor()``), unless
+    ``grad_partial`` names dst mesh dims whose cotangents are per-replica contributions.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(x, DTensor):
+        raise MimoFxError(f"redistribute_dtensor takes a DTensor, got {type(x).__name__}")
+    bridge = _BRIDGES[_index_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype,
+                                checked)]
+    rank = dist.get_rank()
+    y = bridge(x.to_local() if bridge.src.holds(rank) else None)
+    if y is None or not bridge.dst.holds(rank):
+        return y
+    shape = tuple(x.shape)
+    return DTensor.from_local(y, dst_mesh, tuple(dst_placements), run_check=False,
+                              shape=torch.Size(shape), stride=_contiguous_stride(shape))
