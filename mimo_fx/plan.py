@@ -435,8 +435,11 @@ def _exchange(hold: Tiling, need: Tiling, dst: Layout, kept: tuple[str, ...]) ->
     """For every needed sub-box a rank does not hold, one sender among the holders.
 
     The sender is the receiver's own replica when the receiver is on the src grid (so
-    colocated exchanges pair up into all-gathers), else a round-robin choice over the
-    replicas keyed by the receiver's replica index and shard, to spread the load.
+    colocated exchanges pair up into all-gathers), else the replica that has sent the
+    fewest bytes so far, ties going round-robin from the receiver's replica index and
+    shard: receivers visiting in rank order then spread each region's readers over its
+    holders evenly, whatever the strides of the two grids (a fixed round-robin key can
+    land on one holder for every reader when a stride is a multiple of the replicas).
     """
     src_grid, dst_grid = hold.grid, need.grid
     kept_pos = [(src_grid.axis_index(a), dst_grid.axis_index(a)) for a in kept]
@@ -446,6 +449,14 @@ def _exchange(hold: Tiling, need: Tiling, dst: Layout, kept: tuple[str, ...]) ->
     free_sizes = [src_grid.sizes[k] for k in free]
     replicas = prod(free_sizes)
     strides, offset = src_grid.strides, src_grid.offset
+    shifts = []  # rank offset of replica j from replica 0
+    for j in range(replicas):
+        shift = 0
+        for k, n in zip(free, free_sizes):
+            j, c = divmod(j, n)
+            shift += c * strides[k]
+        shifts.append(shift)
+    sent: dict[int, int] = defaultdict(int)
     transfers = []
     for rank in dst.holders:
         coord = dst_grid.coord_tuple(rank)
@@ -462,11 +473,11 @@ def _exchange(hold: Tiling, need: Tiling, dst: Layout, kept: tuple[str, ...]) ->
                     sender = rank - sum(own[k] * strides[k] for k, _ in fixed) + sum(
                         v * strides[k] for k, v in fixed)
                 else:
-                    j = (salt + ordinal) % replicas
-                    sender = offset + sum(v * strides[k] for k, v in fixed)
-                    for k, n in zip(free, free_sizes):
-                        j, c = divmod(j, n)
-                        sender += c * strides[k]
+                    base = offset + sum(v * strides[k] for k, v in fixed)
+                    first = salt + ordinal
+                    sender = min((base + shifts[(first + t) % replicas] for t in range(replicas)),
+                                 key=sent.__getitem__)
+                    sent[sender] += box_volume(sub)
                 ordinal += 1
                 transfers.append(Transfer(sender, rank, sub))
     return transfers

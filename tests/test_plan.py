@@ -100,6 +100,29 @@ def test_disjoint_grids_each_element_crosses_once(case: Case):
         assert p.steps[-1].kind is Collective.ALL_GATHER  # phase two inside the dst replicas
 
 
+@pytest.mark.parametrize("n, dst_grid, dst_pattern, zigzag", [
+    (8, dict(tp=4), "(dp b) s h", ()),
+    (64, dict(tp=4), "(dp b) s h", ()),
+    (64, dict(tp=2, cp=2), "(dp b) (cp s) h", ("cp",)),
+    (128, dict(tp=2, cp=2), "(dp b) (cp s) h", ("cp",)),
+])
+def test_disjoint_senders_share_the_exchange_evenly(n, dst_grid, dst_pattern, zigzag):
+    """Pipelined TP2 x DP(n/4) -> dst x DP(n/8) on the other half: each src TP pair holds
+    the same samples, so the bytes crossing should leave from all src ranks alike, not
+    from one rank of each pair (which would double the slowest sender's time)."""
+    src = Layout(Grid(tp=2, dp=n // 4), "(dp b) s h")
+    dst = Layout(Grid(**dst_grid, dp=n // 8, offset=n // 2), dst_pattern, zigzag=zigzag)
+    sizes = {"b": n // 4, "s": 32, "h": 8}
+    p = plan(src, dst, sizes)
+    (exchange,) = [s for s in p.steps if isinstance(s, Exchange)]
+    sent = dict.fromkeys(src.grid.ranks, 0)
+    for t in exchange.transfers:
+        sent[t.src] += int(torch.tensor([b - a for a, b in t.box]).prod())
+    total = sizes["b"] * sizes["s"] * sizes["h"]  # every element crosses once
+    assert sum(sent.values()) == total
+    assert max(sent.values()) == min(sent.values()) == total // len(sent)
+
+
 EXPECTED_KINDS = {
     "local": [],
     "gather": [Collective.ALL_GATHER],
