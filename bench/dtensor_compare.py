@@ -47,6 +47,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import os
 import statistics
@@ -352,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:
         os.makedirs(os.path.dirname(RESULT), exist_ok=True)
         with open(RESULT, "w") as f:
-            f.write("# python bench/dtensor_compare.py\n" + "\n".join(lines) + "\n\n" + text
-                    + "\n" + tail + "\n")
+            f.write(f"# python bench/dtensor_compare.py, {datetime.date.today().isoformat()}\n"
+                    + "\n".join(lines) + "\n\n" + text + "\n" + tail + "\n")
         print(f"wrote {RESULT}")
     return 1 if any(r["wrong"] for r in rows) else 0
 

@@ -1,0 +1,86 @@
+"""Every mimo_fx benchmark in one command, results written under ``bench/results/``.
+
+    python bench/all.py            # full runs (about 5 minutes on 2 cores)
+    python bench/all.py --quick    # fewer sizes and calls, results not written
+
+Runs, one after the other so they do not disturb each other's timings:
+
+1. ``plan_quality.py``: bytes per rank vs the lower bound and a leader-based bridge at
+   8-4096 ranks, the alpha-beta cluster model; writes ``plan_quality.txt`` and ``.png``.
+2. ``plan_speed.py``: planning time from 8 to 4096 ranks -> ``plan_speed.txt``.
+3. ``dtensor_compare.py``: measured on 8 gloo processes, mimo_fx vs DTensor vs an
+   eager leader-based bridge vs the bare collectives -> ``dtensor_compare_gloo8.txt``.
+4. ``compiled_speed.py``: redistribute vs the bare collectives it lowers to, call
+   overhead, compile time -> ``compiled_speed_gloo8.txt``.
+
+Each results file starts with the command, the date and the machine (CPUs, load
+average, torch); the load matters: 8 processes on a busy 2-core machine time noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+
+# (script, results file or None when the script writes its own)
+SUITE = (
+    ("plan_quality.py", None),
+    ("plan_speed.py", "plan_speed.txt"),
+    ("dtensor_compare.py", None),  # writes dtensor_compare_gloo8.txt itself
+    ("compiled_speed.py", "compiled_speed_gloo8.txt"),
+)
+
+
+def _machine() -> str:
+    import torch
+
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{os.cpu_count()} CPUs, load average {load}, torch {torch.__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="each script's --quick; nothing is written")
+    parser.add_argument("--only", nargs="+", metavar="SCRIPT",
+                        choices=[s for s, _ in SUITE], help="run only these scripts")
+    args = parser.parse_args(argv)
+    failed = []
+    for script, out in SUITE:
+        if args.only and script not in args.only:
+            continue
+        cmd = [sys.executable, os.path.join(HERE, script)]
+        if args.quick:
+            cmd.append("--quick")
+            if script == "plan_quality.py":
+                cmd.append("--no-save")
+        header = (f"# python bench/{script}{' --quick' if args.quick else ''}, "
+                  f"{datetime.date.today().isoformat()}; machine: {_machine()}")
+        print(f"\n== {script} ==\n{header}", flush=True)
+        start = time.perf_counter()
+        # stderr (progress) goes straight to the terminal; stdout is the report
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+        print(proc.stdout, end="", flush=True)
+        print(f"[{script}: {time.perf_counter() - start:.0f} s, exit {proc.returncode}]")
+        if proc.returncode != 0:
+            failed.append(script)
+        elif out and not args.quick:
+            with open(os.path.join(RESULTS, out), "w") as f:
+                f.write(header + "\n" + proc.stdout)
+    if failed:
+        print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    if not args.quick:
+        print(f"\nresults written under {os.path.relpath(RESULTS)}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
