@@ -1,6 +1,6 @@
 """Every mimo_fx benchmark in one command, results written under ``bench/results/``.
 
-    python bench/all.py            # full runs (about 5 minutes on 2 cores)
+    python bench/all.py            # full runs (about 2 minutes on 2 cores)
     python bench/all.py --quick    # fewer sizes and calls, results not written
 
 Runs, one after the other so they do not disturb each other's timings:
