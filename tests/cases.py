@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from mimo_fx import Grid, Layout
 
-__all__ = ["Case", "CASES", "case_ids"]
+__all__ = ["Case", "CASES", "case_ids", "star"]
 
 
 @dataclass(frozen=True)
@@ -125,3 +125,9 @@ CASES: list[Case] = [
 
 def case_ids(cases=CASES) -> list[str]:
     return [c.name for c in cases]
+
+
+def star(layout: Layout) -> Layout:
+    """The layout with partial axes replicated: what gradients w.r.t. it look like."""
+    return Layout(layout.grid, layout.pattern, at=dict(layout.at), zigzag=layout.zigzag,
+                  split=layout.split)

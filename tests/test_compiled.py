@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import CASES, Case
+from cases import CASES, Case, star
 
-from mimo_fx import Layout
 from mimo_fx.launch import run_world
 from mimo_fx.plan import Exchange
 from mimo_fx.reference import shard
@@ -19,9 +18,6 @@ from mimo_fx.reference import shard
 WORLD = 8
 SAMPLE = [c for c in CASES if c.world <= WORLD]
 
-
-def _star(layout: Layout) -> Layout:
-    return Layout(layout.grid, layout.pattern, at=dict(layout.at), zigzag=layout.zigzag)
 
 
 def _expected_calls(plan, rank: int) -> int:
@@ -68,14 +64,14 @@ def _run_case(rank: int, case: Case, counter: dict, device: str = "cpu") -> str 
         if fwd_calls != _expected_calls(bridge.fwd, rank):
             return f"rank {rank}: {fwd_calls} collectives, plan says " \
                    f"{_expected_calls(bridge.fwd, rank)}"
-        cot = shard(g, _star(case.dst)).get(rank)
+        cot = shard(g, star(case.dst)).get(rank)
         counter.clear()
         y_dev.backward(cot.to(device) if cot is not None else torch.zeros_like(y_dev))
         if sum(counter.values()) != _expected_calls(bridge.bwd, rank):
             return f"rank {rank}: backward issued {sum(counter.values())} collectives"
         if local is not None:
             g_src = g.permute([case.dst.dims.index(d) for d in case.src.dims])
-            if not torch.equal(local.grad.cpu(), shard(g_src, _star(case.src))[rank]):
+            if not torch.equal(local.grad.cpu(), shard(g_src, star(case.src))[rank]):
                 return f"input gradient differs on rank {rank}"
         return None
     finally:

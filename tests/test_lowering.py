@@ -15,7 +15,7 @@ import threading
 
 import pytest
 import torch
-from cases import CASES, Case, case_ids
+from cases import CASES, Case, case_ids, star
 
 from mimo_fx import Grid, Layout, plan
 from mimo_fx.compiled import lowering as lower_mod
@@ -113,9 +113,6 @@ def _run(p, inputs: dict[int, torch.Tensor], ndim: int) -> dict[int, torch.Tenso
     return outs
 
 
-def _star(layout: Layout) -> Layout:
-    return Layout(layout.grid, layout.pattern, at=dict(layout.at), zigzag=layout.zigzag)
-
 
 # the table's sizes are small; these take the large-tensor paths of the lowering
 LARGE = [Case("large_fan_in_zigzag", Layout(Grid(tp=2, dp=4), "(dp b) s h"),
@@ -144,10 +141,10 @@ def test_program_forward_and_adjoint_match_oracle(case: Case):
             else:
                 assert y.numel() == 0, f"rank {rank} holds nothing but got {tuple(y.shape)}"
     bwd = backward_plan(case.src, case.dst, case.sizes, torch.float64)
-    cots = shard(g, _star(case.dst))
+    cots = shard(g, star(case.dst))
     grads = _run(bwd, cots, len(case.dst.groups))
     g_src = g.permute([case.dst.dims.index(d) for d in case.src.dims])
-    for rank, want in shard(g_src, _star(case.src)).items():
+    for rank, want in shard(g_src, star(case.src)).items():
         assert torch.equal(grads[rank], want), f"input gradient differs on rank {rank}"
 
 

@@ -10,6 +10,7 @@ DTensor's nested ``chunk``, whose uneven sizes leave trailing shards empty).
 from __future__ import annotations
 
 import torch
+from cases import star
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_plan import box_mask, index_mask, received
@@ -83,11 +84,6 @@ def pairs(draw):
         sizes[dim] = multiple * draw(st.integers(1, 3 if multiple > 1 else 9))
     return src, dst, sizes
 
-
-def star(layout: Layout) -> Layout:
-    """The layout with partial axes replicated (what gradients look like)."""
-    return Layout(layout.grid, layout.pattern, at=dict(layout.at), zigzag=layout.zigzag,
-                  split=layout.split)
 
 
 SETTINGS = settings(max_examples=120, deadline=None,

@@ -9,16 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import CASES, Case, case_ids
+from cases import CASES, Case, case_ids, star
 
 import mimo_fx
-from mimo_fx import Layout
 from mimo_fx.reference import redistribute, shard, unshard
-
-
-def star(layout: Layout) -> Layout:
-    """The layout with partial axes replicated (what gradients look like)."""
-    return Layout(layout.grid, layout.pattern, at=dict(layout.at), zigzag=layout.zigzag)
 
 
 def global_tensor(case: Case, seed: int, dims=None) -> torch.Tensor:
