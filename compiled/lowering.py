@@ -358,6 +358,9 @@ def _lower_step(step, rank: int, res: _Resolver) -> Op | None:
     if step.kind is Collective.ALL_REDUCE:
         if len(ranks) == 1:
             return None
+        if chunk == 0:  # the whole group holds an empty region: nothing to reduce
+            res.new([], replace_all=True)
+            return None
         region = coalesce(step.regions[g])
         pack, stack, numel = _pack(res, region)
         blocks, unpack = _unpack(*_laid_out([region]))

@@ -113,6 +113,15 @@ CASES: list[Case] = [
     Case("uneven_disjoint", L(Grid(tp=2, dp=3), "(dp b) s (tp h)"),
          L(Grid(tp=3, dp=2, offset=6), "(dp b) s h"), {"b": 5, "s": 2, "h": 7},
          ("uneven", "disjoint")),
+    # -- DTensor's chunk split (trailing shards may be empty) ------------------------------
+    Case("chunk_empty_shard", L(Grid(dp=4), "(dp b) h", split="chunk"),
+         L(Grid(tp=2, dp=2), "(dp b) (tp h)"), {"b": 5, "h": 3}, ("uneven", "chunk")),
+    Case("chunk_partial_nested", L(Grid(tp=2, dp=3), "(dp b) h", partial="tp", split="chunk"),
+         L(Grid(tp=2, dp=3), "b (tp dp h)", split="chunk"), {"b": 4, "h": 5},
+         ("uneven", "chunk", "partial")),
+    Case("chunk_disjoint", L(Grid(tp=2, dp=2), "(dp b) s (tp h)", split="chunk"),
+         L(Grid(tp=2, dp=2, offset=4), "(dp b) (tp s) h", split="chunk"),
+         {"b": 3, "s": 3, "h": 5}, ("uneven", "chunk", "disjoint")),
     # -- world 16 --------------------------------------------------------------------------
     Case("world16_fan_in_cp", L(Grid(tp=2, dp=8), "(dp b) s h"),
          L(Grid(tp=4, cp=2, dp=2), "(dp b) (cp s) (tp h)", **ZZ), {"b": 8, "s": 8, "h": 8},
