@@ -301,6 +301,13 @@ SCENARIOS = {
                                      (S0, R), INIT8, (S1,), (6, 11)),
     "replicated_to_empty_shards": (INIT42, (R, R), INIT8, (S0,), (3, 4)),
 }
+# redistribute options per scenario (values and gradients are small integers, exact in bf16)
+OPTIONS = {
+    "overlap_comm_bf16": {"comm_dtype": torch.bfloat16},
+    "disjoint_checked": {"checked": True},
+}
+SCENARIOS["overlap_comm_bf16"] = SCENARIOS["overlap_0_5_to_2_7"]
+SCENARIOS["disjoint_checked"] = SCENARIOS["disjoint_replicated_to_nested"]
 # under torch.compile (aot_eager, fullgraph, static shapes): ranks of the src mesh run a
 # compiled function, the others the same call eagerly (Dynamo cannot take DTensor's
 # placeholder on ranks outside its mesh as an input). Ranks 0-1 are src only, 2-3 src and
@@ -379,7 +386,7 @@ def _check(rank, meshes, name, compiled: bool = False) -> list[str]:
                            backend="aot_eager", fullgraph=True, dynamic=False)
         y = fn(dt)
     else:
-        y = mimo_fx.redistribute(dt, dst_mesh, dst_p)
+        y = mimo_fx.redistribute(dt, dst_mesh, dst_p, **OPTIONS.get(name, {}))
     if in_dst:
         if not isinstance(y, DTensor) or y.device_mesh is not dst_mesh \
                 or tuple(y.placements) != tuple(dst_p):
