@@ -83,6 +83,12 @@ class Redistributor:
         self._union_group = group_name(self.union) if checked and len(self.union) > 1 else None
         self._src_shape = (local_shape(src, Tiling.of(src, self.fwd.dims, self.sizes),
                                        self.rank) if src.holds(self.rank) else None)
+        # what ranks holding no src piece feed the op: made here, not per call, because
+        # Dynamo cannot trace creating a tensor that requires grad; it requires grad so
+        # that the backward (and its collectives) runs on these ranks too
+        self._no_src = None if self._src_shape is not None else torch.empty(
+            (0,) * len(src.groups), dtype=dtype, device=self.device,
+            requires_grad=dtype.is_floating_point or dtype.is_complex)
         self._fingerprint = zlib.crc32(
             repr((src, dst, sorted(self.sizes.items()), str(dtype))).encode()) & 0x7FFFFFFF
 
@@ -99,8 +105,7 @@ class Redistributor:
                 raise MimoFxError(f"rank {self.rank} holds a piece of src "
                                   f"{self.src.describe()!r} (shape {self._src_shape}) "
                                   f"but passed None")
-            x = torch.empty((0,) * len(self.src.groups), dtype=self.dtype, device=self.device,
-                            requires_grad=torch.is_grad_enabled())
+            x = self._no_src
         elif x.dtype != self.dtype:
             raise MimoFxError(f"rank {self.rank}: tensor dtype {x.dtype} differs from the "
                               f"prepared dtype {self.dtype}; prepare with dtype={x.dtype}")

@@ -105,6 +105,24 @@ def _features(rank: int, world: int) -> dict:
         out["comm_dtype"] = None if y.numel() == 0 else "src-only rank got data"
     bridge.destroy()
 
+    # ranks without a src piece pass None under torch.compile too, and still run the
+    # backward's collectives (plain autograd: loss.backward())
+    bridge = Redistributor(enc, llm, SIZES)
+    fn = torch.compile(lambda t: (bridge(t) ** 2).sum(), backend="aot_eager", fullgraph=True)
+    leaf = shard(x, enc).get(rank)
+    leaf = leaf.clone().requires_grad_() if leaf is not None else None
+    try:
+        loss = fn(leaf)
+        loss.backward()
+        if rank < 2:
+            ok = loss.item() == 0 and torch.allclose(leaf.grad, shard(2 * x, enc)[rank])
+        else:
+            ok = torch.allclose(loss, (shard(x, llm)[rank] ** 2).sum())
+        out["none_under_compile"] = None if ok else "wrong loss or gradient"
+    except Exception as err:  # Dynamo may wrap the error
+        out["none_under_compile"] = f"{type(err).__name__}: {str(err)[:300]}"
+    bridge.destroy()
+
     # ranks outside src pass None; the facade infers nothing it cannot know
     src2 = Layout(Grid(dp=2), "(dp b) h")           # ranks 0, 1
     dst2 = Layout(Grid(tp=4), "b (tp h)")           # ranks 0..3
@@ -223,7 +241,7 @@ def world2():
 
 
 FEATURES = ["aot_eager_eager_matches_math", "aot_eager_graph_breaks",
-            "aot_eager_compiled_equals_eager", "comm_dtype", "none_off_src",
+            "aot_eager_compiled_equals_eager", "comm_dtype", "none_under_compile", "none_off_src",
             "off_both_grids", "checked_mismatch", "checked_ok_call", "pipelined_bridge",
             "unprepared_under_compile", "prepared_under_compile", "registry_empty"]
 
