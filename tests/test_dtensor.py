@@ -308,9 +308,8 @@ OPTIONS = {
 }
 SCENARIOS["overlap_comm_bf16"] = SCENARIOS["overlap_0_5_to_2_7"]
 SCENARIOS["disjoint_checked"] = SCENARIOS["disjoint_replicated_to_nested"]
-# under torch.compile (aot_eager, fullgraph, static shapes): ranks of the src mesh run a
-# compiled function, the others the same call eagerly (Dynamo cannot take DTensor's
-# placeholder on ranks outside its mesh as an input). Ranks 0-1 are src only, 2-3 src and
+# under torch.compile (aot_eager, fullgraph, static shapes) on every rank, DTensor's
+# placeholder as the input on ranks outside its mesh. Ranks 0-1 are src only, 2-3 src and
 # dst, 4-5 dst only, 6-7 neither. One scenario: compiling costs seconds per rank.
 COMPILED = ("compiled_overlap_partial",)
 SCENARIOS[COMPILED[0]] = (([[0, 1], [2, 3]], ("a", "b")), (S0, P),
@@ -358,7 +357,9 @@ def _source(rank, mesh, placements, shape):
             flat = flat * mesh.shape[i] + coord[i]
             count *= mesh.shape[i]
         base = base - (count - 1) * extra if flat == 0 else extra
-    local = base.clone().requires_grad_()
+    # off the mesh the local tensor is DTensor's empty placeholder, which takes no grad
+    # (Dynamo cannot take a DTensor input whose empty local tensor requires grad)
+    local = base.clone().requires_grad_(coord is not None)
     dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=x.shape,
                             stride=x.stride())
     return x, local, dt
@@ -380,7 +381,7 @@ def _check(rank, meshes, name, compiled: bool = False) -> list[str]:
     in_dst = dst_mesh.get_coordinate() is not None
     if in_src and not torch.equal(dt.full_tensor(), x):
         problems.append("test setup: source DTensor does not hold X")
-    if compiled and in_src:
+    if compiled:
         mdt.prepare(dt, dst_mesh, dst_p)
         fn = torch.compile(lambda d: mimo_fx.redistribute(d, dst_mesh, dst_p),
                            backend="aot_eager", fullgraph=True, dynamic=False)
