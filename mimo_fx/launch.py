@@ -50,9 +50,14 @@ def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, backend: s
         finally:
             dist.destroy_process_group()
     except BaseException:  # report, don't hang the parent
-        result = {"__error__": traceback.format_exc()}
+        result = {"__error__": traceback.format_exc(), "__when__": time.monotonic()}
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+
+
+# what a rank's error says when it failed only because another rank went away
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "gloo/transport/tcp", "NCCL communicator was aborted")
 
 
 def run_world(world: int, fn, *args, timeout: float = 300.0, backend: str = "gloo",
@@ -76,7 +81,9 @@ def run_world(world: int, fn, *args, timeout: float = 300.0, backend: str = "glo
                                      f"{timeout:.0f} s (a hang?); raise timeout= if it is "
                                      f"just slow")
         except mp.ProcessExitedException as err:
-            raise WorldError(f"a rank of the {world}-process world died: {err}") from err
+            raise WorldError(f"a rank of the {world}-process world died: {err} (its stderr "
+                             f"says why; a script that spawns worlds needs the "
+                             f"'if __name__ == \"__main__\":' guard)") from err
         finally:
             for p in ctx.processes:
                 if p.is_alive():
@@ -88,7 +95,14 @@ def run_world(world: int, fn, *args, timeout: float = 300.0, backend: str = "glo
                 raise WorldError(f"rank {rank} of the {world}-process world left no result")
             with open(path, "rb") as f:
                 results.append(pickle.load(f))
-    errors = [r["__error__"] for r in results if isinstance(r, dict) and "__error__" in r]
+    errors = [(rank, r["__error__"], r["__when__"]) for rank, r in enumerate(results)
+              if isinstance(r, dict) and "__error__" in r]
     if errors:
-        raise WorldError("a rank raised:\n" + errors[0])
+        # a rank that fails makes its peers' collectives fail (the connection to it is
+        # closed or reset): report a rank that failed by itself, the earliest first
+        errors.sort(key=lambda e: (any(m in e[1] for m in _LOST_PEER), e[2]))
+        rank, text, _ = errors[0]
+        others = [r for r, _, _ in errors[1:]]
+        raise WorldError(f"rank {rank} raised" + (f" (ranks {others} too)" if others else "")
+                         + ":\n" + text)
     return results
