@@ -416,6 +416,31 @@ def _check(rank, meshes, name, compiled: bool = False) -> list[str]:
     return problems
 
 
+def _grad_partial(rank, meshes) -> list[str]:
+    """grad_partial: dst replicas each contribute their own cotangent, which the adjoint
+    sums (without it, replicas' cotangents are taken as equal and one is used)."""
+    import mimo_fx
+
+    src_mesh = _mesh(INIT42, meshes)
+    dst_mesh = _mesh(([4, 5, 6, 7], ("e",)), meshes)
+    shape = (8, 6)
+    x, local, dt = _source(rank, src_mesh, [Shard(0), Replicate()], shape)
+    y = mimo_fx.redistribute(dt, dst_mesh, [Replicate()], grad_partial=("e",))
+    problems = []
+    if rank >= 4:
+        if not torch.equal(y.to_local(), x):
+            problems.append("replicated dst piece differs from X")
+        loss = (y.to_local() * _ints(shape, 10 + rank)).sum()  # this replica's own part
+    else:
+        loss = y.sum()
+    loss.backward()
+    g_sum = sum(_ints(shape, 10 + r) for r in range(4, 8))
+    expected = g_sum.tensor_split(4)[rank // 2]  # Shard(0) over dp, replicated over tp
+    if not torch.equal(local.grad, expected):
+        problems.append("source gradient is not the sum of the replicas' cotangents")
+    return problems
+
+
 def _error(rank, meshes, name) -> str | None:
     """The error message (or None) every rank gets."""
     import mimo_fx
@@ -452,6 +477,10 @@ def _world(rank: int, world: int, names: list[str]) -> dict:
             out[name] = _check(rank, meshes, name, compiled=name in COMPILED)
         except Exception as err:  # keep the world going; report per scenario
             out[name] = [f"{type(err).__name__}: {err}"]
+    try:
+        out["grad_partial"] = _grad_partial(rank, meshes)
+    except Exception as err:
+        out["grad_partial"] = [f"{type(err).__name__}: {err}"]
     for name in ERRORS:
         out[name] = _error(rank, meshes, name)
     row_major = dtensor_layout(Layout(Grid(tp=2, dp=4), "(dp b) h"), {"b": 8, "h": 2})
@@ -468,7 +497,7 @@ def world_results():
     return run_world(WORLD, _world, list(SCENARIOS))
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", [*SCENARIOS, "grad_partial"])
 def test_cross_mesh_redistribute(world_results, name):
     problems = {rank: r[name] for rank, r in enumerate(world_results) if r[name]}
     assert not problems, problems
