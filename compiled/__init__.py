@@ -14,6 +14,7 @@ call itself only issues functional collectives and traces under ``torch.compile`
 
 from __future__ import annotations
 
+import warnings
 import zlib
 
 import torch
@@ -89,6 +90,7 @@ class Redistributor:
         self._no_src = None if self._src_shape is not None else torch.empty(
             (0,) * len(src.groups), dtype=dtype, device=self.device,
             requires_grad=dtype.is_floating_point or dtype.is_complex)
+        self._warned_func = False
         self._fingerprint = zlib.crc32(
             repr((src, dst, sorted(self.sizes.items()), str(dtype))).encode()) & 0x7FFFFFFF
 
@@ -106,6 +108,16 @@ class Redistributor:
                                   f"{self.src.describe()!r} (shape {self._src_shape}) "
                                   f"but passed None")
             x = self._no_src
+            if not self._warned_func and self._bwd_program.ops and _in_grad_transform():
+                self._warned_func = True
+                warnings.warn(
+                    f"rank {self.rank} holds no piece of src {self.src.describe()!r} and "
+                    f"called the bridge with None inside a torch.func grad transform. The "
+                    f"transform differentiates only its arguments, so this rank will skip "
+                    f"the backward's collectives and ranks that run theirs will wait for "
+                    f"it. Pass an empty tensor that the transform differentiates instead of "
+                    f"None, e.g. grad(step, argnums=(0, 1))(torch.empty("
+                    f"{(0,) * len(self.src.groups)}), w).", stacklevel=2)
         elif x.dtype != self.dtype:
             raise MimoFxError(f"rank {self.rank}: tensor dtype {x.dtype} differs from the "
                               f"prepared dtype {self.dtype}; prepare with dtype={x.dtype}")
@@ -146,6 +158,17 @@ class Redistributor:
         if self._live:
             release(self._groups)
             self._live = False
+
+
+def _in_grad_transform() -> bool:
+    """Whether an eager call runs inside a ``torch.func`` grad/vjp transform (not asked
+    under ``torch.compile``, where the question breaks the graph)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return False
+    from torch._C._functorch import TransformType, peek_interpreter_stack
+
+    level = peek_interpreter_stack()
+    return level is not None and level.key() == TransformType.Grad
 
 
 _PREPARED: dict[tuple, Redistributor] = {}

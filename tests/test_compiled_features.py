@@ -123,6 +123,23 @@ def _features(rank: int, world: int) -> dict:
         out["none_under_compile"] = f"{type(err).__name__}: {str(err)[:300]}"
     bridge.destroy()
 
+    # None inside a torch.func grad transform: the rank's backward would be skipped (the
+    # transform differentiates only its arguments), so it warns; here no rank
+    # differentiates through the bridge, so nobody waits
+    import warnings
+
+    bridge = Redistributor(enc, llm, SIZES)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scale = torch.tensor(2.0)
+        torch.func.grad(lambda w: (bridge(shard(x, enc).get(rank)) * w).sum())(scale)
+    said = [str(w.message) for w in caught if "torch.func grad transform" in str(w.message)]
+    want = 1 if rank >= 2 else 0
+    out["none_in_func_warns"] = (None if len(said) == want and (not said or "Pass an empty "
+                                 "tensor that the transform differentiates" in said[0])
+                                 else f"{len(said)} warnings: {said}")
+    bridge.destroy()
+
     # ranks outside src pass None; the facade infers nothing it cannot know
     src2 = Layout(Grid(dp=2), "(dp b) h")           # ranks 0, 1
     dst2 = Layout(Grid(tp=4), "b (tp h)")           # ranks 0..3
@@ -241,8 +258,9 @@ def world2():
 
 
 FEATURES = ["aot_eager_eager_matches_math", "aot_eager_graph_breaks",
-            "aot_eager_compiled_equals_eager", "comm_dtype", "none_under_compile", "none_off_src",
-            "off_both_grids", "checked_mismatch", "checked_ok_call", "pipelined_bridge",
+            "aot_eager_compiled_equals_eager", "comm_dtype", "none_under_compile",
+            "none_in_func_warns", "none_off_src", "off_both_grids", "checked_mismatch",
+            "checked_ok_call", "pipelined_bridge",
             "unprepared_under_compile", "prepared_under_compile", "registry_empty"]
 
 
