@@ -65,10 +65,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from common import bare, collectives, timed
 from tabulate import tabulate
 
 from mimo_fx import Grid, Layout
 from mimo_fx.launch import run_world
+from mimo_fx.plan import plan
 
 WORLD = 8
 ITERS, WARMUP, OVERHEAD_ITERS = 10, 3, 200
@@ -112,49 +114,6 @@ CASES = (
 
 
 # -- measuring (on every rank) ---------------------------------------------------------------
-def _packed_numel(op) -> int:
-    """Elements of an op's packed input buffer: its pieces and zero pads."""
-    return op.numel
-
-
-def _issue(op, flat: torch.Tensor) -> torch.Tensor:
-    """The functional collective the executor issues for ``op`` (same group, splits)."""
-    import torch.distributed._functional_collectives as fc
-
-    if op.kind == "all_gather":
-        gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
-        return fc.wait_tensor(gather(flat, 0, op.group))
-    if op.kind == "reduce_scatter":
-        scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
-        return fc.wait_tensor(scatter(flat, "sum", 0, op.group))
-    if op.kind == "all_reduce":
-        return fc.wait_tensor(fc.all_reduce(flat, "sum", op.group))
-    return fc.wait_tensor(fc.all_to_all_single(flat, list(op.out_splits), list(op.in_splits),
-                                               op.group))
-
-
-def _timed(fns: dict[str, Callable[[], object]], iters: int, warmup: int) -> dict:
-    """Per function, the median wall seconds and median process CPU seconds of ``fn()``,
-    every rank calling it after a common barrier.
-
-    The functions are interleaved (one call of each per iteration, the order rotating), so
-    a change in the machine's load during the run affects all of them alike."""
-    names = list(fns)
-    wall: dict[str, list[float]] = {name: [] for name in names}
-    cpu: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(warmup + iters):
-        for k in range(len(names)):
-            name = names[(i + k) % len(names)]
-            dist.barrier()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            fns[name]()
-            if i >= warmup:
-                wall[name].append(time.perf_counter() - start)
-                cpu[name].append(time.process_time() - start_cpu)
-    return {name: (statistics.median(wall[name]), statistics.median(cpu[name]))
-            for name in names}
-
-
 def _alone(rank: int, world: int, fn: Callable[[], object], iters: int) -> float:
     """Median seconds of ``fn()`` on each rank in turn, the others waiting in a barrier
     (used only where ``fn`` issues no collective)."""
@@ -185,7 +144,7 @@ def _stub_collectives(bridge) -> None:
     outs = {}
     for op in bridge._fwd_program.ops:
         end = max((u[0] + math.prod(u[1]) for u in op.unpack if u is not None), default=0)
-        outs[id(op)] = torch.empty(max(end, _packed_numel(op)))
+        outs[id(op)] = torch.empty(max(end, op.numel))
     bridge.executor._collective = lambda op, flat: outs[id(op)]
 
 
@@ -202,12 +161,6 @@ def _measure(rank: int, world: int, case: Case, sizes: dict[str, int], iters: in
         x = (torch.randn(bridge._src_shape, generator=gen)
              if bridge._src_shape is not None else None)
         src_bytes = 4 * math.prod(bridge._src_shape) if x is not None else 0
-        bufs = [torch.randn(_packed_numel(op)) for op in program.ops]
-
-        def bare():
-            for op, buf in zip(program.ops, bufs):
-                _issue(op, buf)
-
         with torch.no_grad():
             eager_y = bridge(x)
             dst_bytes = 4 * eager_y.numel() if eager_y is not None else 0
@@ -218,7 +171,7 @@ def _measure(rank: int, world: int, case: Case, sizes: dict[str, int], iters: in
             compiled_y = compiled(x)
             compile_s = time.perf_counter() - start
             same = torch.equal(compiled_y, eager_y)
-            medians = _timed({"eager": lambda: bridge(x), "bare": bare,
+            medians = timed({"eager": lambda: bridge(x), "bare": bare(program),
                               "compiled": lambda: compiled(x)}, iters, warmup)
             (eager_s, eager_cpu), (bare_s, bare_cpu) = medians["eager"], medians["bare"]
             compiled_s = medians["compiled"][0]
@@ -235,23 +188,13 @@ def _measure(rank: int, world: int, case: Case, sizes: dict[str, int], iters: in
         bridge.destroy()
 
 
-def _collectives(case: Case, sizes: dict[str, int]) -> str:
-    from mimo_fx.plan import plan
-
-    p = plan(case.src, case.dst, sizes, 4)
-    if not p.steps:
-        return "local"
-    return " + ".join(f"{kind.value}[{groups}g]" if groups > 1 else kind.value
-                      for kind, groups in p.collectives)
-
-
 def _bench(rank: int, world: int, iters: int, warmup: int, overhead_iters: int) -> list | None:
     rows = []
     for case in CASES:
         for sizes in (case.big, case.small):
             start = time.perf_counter()
             row = _measure(rank, world, case, sizes, iters, warmup, overhead_iters)
-            row.update(case=case.name, collectives=_collectives(case, sizes))
+            row.update(case=case.name, collectives=collectives(plan(case.src, case.dst, sizes, 4)))
             rows.append(row)
             if rank == 0:  # progress, on stderr so the report stays clean
                 print(f"  [{len(rows)}/{2 * len(CASES)}] {case.name} "

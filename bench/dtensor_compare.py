@@ -50,17 +50,16 @@ import argparse
 import datetime
 import math
 import os
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from common import bare, collectives, replicas, timed
 from tabulate import tabulate
 
-from mimo_fx import Grid, Layout
+from mimo_fx import Grid, Layout, plan
 from mimo_fx.launch import run_world
 
 WORLD = 8
@@ -144,17 +143,12 @@ def _dtensor(case: Case, x_local: torch.Tensor, shape: tuple[int, ...]):
 
 
 # -- the leader-based bridge ------------------------------------------------------------------
-def _replicas(grid: Grid) -> list[tuple[int, ...]]:
-    others = tuple(a for a in grid.names if a != "dp")
-    return sorted(grid.groups(others), key=lambda g: grid.coord(g[0])["dp"])
-
-
 def _leader(case: Case, rank: int, x: torch.Tensor, sizes: dict[str, int]):
     """Build (once, on every rank, in one order) the groups of the leader scheme and
     return the call."""
     from mimo_fx.reference.oracle import shard_index
 
-    src_reps, dst_reps = _replicas(case.src.grid), _replicas(case.dst.grid)
+    src_reps, dst_reps = replicas(case.src.grid), replicas(case.dst.grid)
     groups = {rep: dist.new_group(list(rep)) for rep in (*src_reps, *dst_reps)
               if len(rep) > 1}
     b, per_src, per_dst = sizes["b"], sizes["b"] // len(src_reps), sizes["b"] // len(dst_reps)
@@ -216,47 +210,7 @@ def _leader(case: Case, rank: int, x: torch.Tensor, sizes: dict[str, int]):
     return call
 
 
-# -- bare collectives ---------------------------------------------------------------------------
-def _bare(program) -> Callable[[], None]:
-    import torch.distributed._functional_collectives as fc
-
-    gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
-    scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
-    bufs = [torch.randn(op.numel) for op in program.ops]
-
-    def issue(op, flat):
-        if op.kind == "all_gather":
-            return fc.wait_tensor(gather(flat, 0, op.group))
-        if op.kind == "reduce_scatter":
-            return fc.wait_tensor(scatter(flat, "sum", 0, op.group))
-        if op.kind == "all_reduce":
-            return fc.wait_tensor(fc.all_reduce(flat, "sum", op.group))
-        return fc.wait_tensor(fc.all_to_all_single(flat, list(op.out_splits),
-                                                   list(op.in_splits), op.group))
-
-    def call() -> None:
-        for op, buf in zip(program.ops, bufs):
-            issue(op, buf)
-
-    return call
-
-
 # -- measuring -----------------------------------------------------------------------------------
-def _timed(fns: dict[str, Callable[[], object]], iters: int, warmup: int) -> dict[str, float]:
-    """Median seconds per function; calls interleaved, order rotating, barrier before each."""
-    names = list(fns)
-    wall: dict[str, list[float]] = {n: [] for n in names}
-    for i in range(warmup + iters):
-        for k in range(len(names)):
-            name = names[(i + k) % len(names)]
-            dist.barrier()
-            start = time.perf_counter()
-            fns[name]()
-            if i >= warmup:
-                wall[name].append(time.perf_counter() - start)
-    return {n: statistics.median(wall[n]) for n in names}
-
-
 def _measure(rank: int, case: Case, sizes: dict[str, int], iters: int, warmup: int) -> dict:
     from mimo_fx.compiled import Redistributor
     from mimo_fx.reference import shard
@@ -269,11 +223,11 @@ def _measure(rank: int, case: Case, sizes: dict[str, int], iters: int, warmup: i
         fns = {"mimo_fx": lambda: bridge(x),
                "DTensor": _dtensor(case, x, tuple(x_global.shape)),
                "leader": _leader(case, rank, x, sizes),
-               "bare": _bare(bridge._fwd_program)}
+               "bare": bare(bridge._fwd_program)}
         with torch.no_grad():
             wrong = [name for name in VARIANTS[:3]
                      if not torch.equal(fns[name](), expected)]
-            seconds = _timed(fns, iters, warmup)
+            seconds = {n: wall for n, (wall, _) in timed(fns, iters, warmup).items()}
         values = torch.tensor([seconds[n] for n in VARIANTS]
                               + [float(n in wrong) for n in VARIANTS[:3]], dtype=torch.float64)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -299,15 +253,6 @@ def _bench(rank: int, world: int, sizes: dict[str, int], iters: int, warmup: int
     return rows if rank == 0 else None
 
 
-def _collectives(case: Case, sizes: dict[str, int]) -> str:
-    from mimo_fx.plan import plan
-
-    p = plan(case.src, case.dst, sizes, 4)
-    if not p.steps:
-        return "local"
-    return " + ".join(f"{k.value}[{g}g]" if g > 1 else k.value for k, g in p.collectives)
-
-
 def report(rows: list[dict], sizes: dict[str, int]) -> str:
     table = []
     for case, r in zip(CASES, rows):
@@ -315,7 +260,7 @@ def report(rows: list[dict], sizes: dict[str, int]) -> str:
         ratios = [f"{r[n] / r['mimo_fx']:.2f}x" for n in VARIANTS[1:]]
         check = "all equal the oracle" if not r["wrong"] else "WRONG: " + ", ".join(r["wrong"])
         table.append([case.name, f"{r['src_bytes'] / 2**20:.3g} / {r['dst_bytes'] / 2**20:.3g}",
-                      _collectives(case, sizes), *ms, *ratios, check])
+                      collectives(plan(case.src, case.dst, sizes, 4)), *ms, *ratios, check])
     return tabulate(table, disable_numparse=True,
                     colalign=("left", "right", "left") + ("right",) * 7 + ("left",),
                     headers=["case", "MiB per rank (src / dst)", "mimo_fx collectives",

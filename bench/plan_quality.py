@@ -82,6 +82,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from common import collectives, replicas
 from tabulate import tabulate
 
 from mimo_fx import Grid, Layout, backward_plan, plan
@@ -203,14 +204,6 @@ class Traffic:
         return sum(self.sent.values())
 
 
-def _replicas(grid: Grid) -> list[tuple[int, ...]]:
-    """Per dp index, the ranks of that replica (every other axis), leader first."""
-    others = tuple(a for a in grid.names if a != "dp")
-    if not others:
-        return [(r,) for r in grid.ranks]
-    return sorted(grid.groups(others), key=lambda g: grid.coord(g[0])["dp"])
-
-
 def _samples(i: int, parts: int, b: int) -> tuple[int, int]:
     return i * b // parts, (i + 1) * b // parts
 
@@ -271,7 +264,7 @@ def leader_bridge(case: Case) -> Traffic:
     """The pipelined bridge's scheme: src leaders -> dst leaders -> broadcast."""
     b = case.sizes["b"]
     t = Traffic({}, {}, 0.0)
-    src_reps, dst_reps = _replicas(case.src.grid), _replicas(case.dst.grid)
+    src_reps, dst_reps = replicas(case.src.grid), replicas(case.dst.grid)
     if case.src.partial:  # all-reduce over src TP to make the input TP-replicated
         _ring_all_reduce(t, src_reps, b // len(src_reps) * SAMPLE)
     _leader_messages(t, src_reps, dst_reps, b)
@@ -290,7 +283,7 @@ def cp_allreduce_backward(case: Case) -> Traffic | None:
     t = Traffic({}, {}, 0.0)
     _ring_all_reduce(t, grid.groups("cp"), b // grid.axis_size("dp") * SAMPLE)
     if not set(case.src.grid.ranks) & set(grid.ranks):
-        src_reps, dst_reps = _replicas(case.src.grid), _replicas(grid)
+        src_reps, dst_reps = replicas(case.src.grid), replicas(grid)
         _leader_messages(t, dst_reps, src_reps, b)
         _leader_broadcast(t, src_reps, b)
     return t
@@ -373,12 +366,6 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.3f}"
 
 
-def _collectives(p: Plan) -> str:
-    if not p.steps:
-        return "local"
-    return " + ".join(f"{k.value}[{g}g]" if g > 1 else k.value for k, g in p.collectives)
-
-
 def sender_balance(p: Plan) -> str:
     """All-to-all steps: the busiest sender's bytes over an even split among the src ranks
     that hold data (1.00 = balanced); '-' without an all-to-all."""
@@ -401,7 +388,7 @@ def bytes_table(rows: list[Row]) -> str:
         peak = f"{lead.max_recv / f.max_recv:.2f}x" if f.max_recv else (
             "-" if not lead.max_recv else "inf")
         out.append([r.case, r.world, _mib(f.max_recv), _mib(f.max_sent), _mib(f.total_bytes),
-                    _collectives(f), ratio, sender_balance(f), _mib(lead.max_recv),
+                    collectives(f), ratio, sender_balance(f), _mib(lead.max_recv),
                     _mib(lead.max_sent), _mib(lead.total), peak])
     return tabulate(out, disable_numparse=True, colalign=("left",) + ("right",) * 4
                     + ("left",) + ("right",) * 6,
