@@ -7,7 +7,7 @@ collectives it issued against the plan.
 
 from __future__ import annotations
 
-import math
+from itertools import chain
 
 import pytest
 import torch
@@ -16,6 +16,7 @@ from cases import CASES, Case, star
 from mimo_fx.launch import run_world
 from mimo_fx.plan import Exchange
 from mimo_fx.reference import shard
+from mimo_fx.regions import box_volume
 
 WORLD = 8
 SAMPLE = [c for c in CASES if c.world <= WORLD]
@@ -30,13 +31,9 @@ def _expected_calls(plan, rank: int) -> int:
         if isinstance(step, Exchange):
             calls += rank in step.ranks
         else:
-            calls += any(rank in g and len(g) > 1 and any(map(_volume, parts))
+            calls += any(rank in g and len(g) > 1 and any(map(box_volume, chain(*parts)))
                          for g, parts in zip(step.groups, step.parts))
     return calls
-
-
-def _volume(boxes) -> int:
-    return sum(math.prod(b - a for a, b in box) for box in boxes)
 
 
 def _run_case(rank: int, case: Case, counter: dict, device: str = "cpu") -> str | None:
