@@ -120,7 +120,7 @@ def finalize_grads(world: World, grads: dict[str, Pieces], layouts: dict[str, La
         if not axes:
             out[name] = g
             continue
-        partial = Layout(layout.grid, layout.pattern, partial=axes, at=dict(layout.at))
+        partial = layout.with_partial(axes)
         with torch.no_grad():
             out[name] = world.redistribute(g, partial, layout,
                                            **{d: sizes[d] for d in layout.dims})

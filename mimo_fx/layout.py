@@ -141,6 +141,12 @@ class Layout:
                      if all(coords[r - self.grid.offset][k] == i for k, i in pinned))
 
     # -- validation ----------------------------------------------------------------------
+    def with_partial(self, axes: tuple[str, ...] | list[str] | str = ()) -> Layout:
+        """This layout with its partial axes replaced by ``axes``, every other field kept;
+        ``with_partial()`` is the replicated form its gradients take."""
+        return Layout(self.grid, self.pattern, partial=axes, at=dict(self.at),
+                      zigzag=self.zigzag, split=self.split)
+
     def _check_axes_usage(self) -> None:
         names = self.grid.names
         for kind, axes in (("partial", self.partial), ("zigzag", self.zigzag)):

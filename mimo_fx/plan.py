@@ -303,10 +303,7 @@ def backward_plan(
 
 @cache
 def _star(layout: Layout) -> Layout:
-    if not layout.partial:
-        return layout
-    return Layout(layout.grid, layout.pattern, at=dict(layout.at), zigzag=layout.zigzag,
-                  split=layout.split)
+    return layout.with_partial() if layout.partial else layout
 
 
 @cache
@@ -318,10 +315,7 @@ def _bwd_dst(dst: Layout, grad_partial: tuple[str, ...]) -> Layout:
                 f"{dst.describe()!r} (replicated axes: {dst.replicated}); only cotangents "
                 f"on replicated axes can be per-replica contributions"
             )
-    if not grad_partial and not dst.partial:
-        return dst
-    return Layout(dst.grid, dst.pattern, partial=grad_partial, at=dict(dst.at),
-                  zigzag=dst.zigzag, split=dst.split)
+    return dst.with_partial(grad_partial) if grad_partial or dst.partial else dst
 
 
 def check_sizes(src: Layout, dst: Layout, sizes: dict[str, int]) -> tuple[tuple[str, int], ...]:

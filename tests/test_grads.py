@@ -76,3 +76,18 @@ def test_grads_errors_name_the_problem():
         grads.accumulate({"enc.w1": {0: torch.zeros(6, 8), 1: torch.zeros(6, 8)}})
     with pytest.raises(MimoFxError, match=r"no gradient accumulated for \['enc.proj'"):
         grads.sync()
+
+
+def test_sync_keeps_the_parameter_layout_split():
+    """A parameter cut with DTensor's chunk rule (h=5 over tp=4: 2, 2, 1, 0) is summed
+    over dp in that same layout, not re-cut with tensor_split (2, 1, 1, 1)."""
+    from mimo_fx import Grid, Layout
+    from mimo_fx.grads import finalize_grads
+
+    layout = Layout(Grid(tp=4, dp=2), "(tp h)", split="chunk")
+    per_replica = [torch.arange(5.0) * (d + 1) for d in range(2)]  # each dp replica's grad
+    grads = {"w": {r: shard(per_replica[layout.grid.coord(r)["dp"]], layout)[r]
+                   for r in layout.grid.ranks}}
+    out = finalize_grads(ReferenceWorld(), grads, {"w": layout}, {"h": 5})
+    expected = shard(per_replica[0] + per_replica[1], layout)
+    assert all(torch.equal(out["w"][r], expected[r]) for r in layout.grid.ranks)

@@ -297,3 +297,10 @@ def test_redistribute_missing_pinned_holder():
     src = Layout(GP, "b h", at={"pp": -1})  # holders 14, 15
     with pytest.raises(MimoFxError, match=r"held by ranks \[14, 15\]; pieces miss \[15\]"):
         redistribute({14: torch.zeros(2, 2)}, src, Layout(GP, "b h", at={"pp": 0}))
+
+
+def test_with_partial_replaces_partial_only():
+    layout = Layout(G4, "(dp b) (cp s)", partial="tp", at={"pp": 1}, zigzag="cp", split="chunk")
+    assert layout.with_partial() == Layout(G4, "(dp b) (cp s)", at={"pp": 1}, zigzag="cp",
+                                           split="chunk")
+    assert layout.with_partial().with_partial("tp") == layout
