@@ -17,13 +17,13 @@ import torch
 
 from .errors import MimoFxError
 
+__all__ = ["Executor", "apply", "redistribute", "is_dtensor"]
+
 
 def is_dtensor(x) -> bool:
     """Whether ``x`` is a DTensor (without importing DTensor if nobody has)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(x, module.DTensor)
-
-__all__ = ["Executor", "apply", "redistribute"]
 
 
 class Executor(Protocol):
