@@ -3,69 +3,124 @@
 ``torch.distributed.new_group`` is a collective over the whole world: every rank must
 call it for every group, in the same order. Creating groups lazily (inside a pipeline
 schedule, or on first use under ``torch.compile``) deadlocks, so :func:`acquire` creates
-all groups a plan needs up front, in plan order, and counts references; :func:`release`
+all groups a bridge needs up front, in plan order, and counts references; :func:`release`
 destroys a group when its last user is gone.
+
+A group is named by its ranks and a *tag*: data groups have tag ``""``; every bridge
+also has a check group over the union of its grids (tag ``"check"``; created whether or
+not the bridge is checked, so ranks that disagree on ``checked=`` still create the same
+groups), with the timeout :func:`check_timeout` (seconds; environment variable
+``MIMO_FX_CHECK_TIMEOUT``, read when the group is created). A checked call's exchange
+runs there, so it can never pair with a data collective.
+
+Two lifecycle rules keep gloo's connection setup safe over many build/destroy cycles:
+a destroyed group stays referenced until the next group has been created (dropping the
+last reference right after ``destroy_process_group`` can close sockets a peer's next
+``new_group`` is still using), and the registry forgets every group when the default
+process group it was built in is gone.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
+from datetime import timedelta
 
 import torch.distributed as dist
 
 from mimo_fx.errors import MimoFxError
-from mimo_fx.plan import Exchange, Plan
 
-__all__ = ["plan_groups", "acquire", "release", "group_name", "live_groups"]
+__all__ = ["acquire", "release", "group_name", "live_groups", "world_token",
+           "check_world", "CHECK", "check_timeout"]
 
-_GROUPS: dict[tuple[int, ...], list] = {}  # ranks -> [ProcessGroup, references]
+CHECK = "check"  # the tag of check groups
 
-
-def plan_groups(plan: Plan) -> list[tuple[int, ...]]:
-    """The groups (rank tuples, size > 1) a plan's steps run on, in issue order."""
-    out: list[tuple[int, ...]] = []
-    for step in plan.steps:
-        groups = (step.ranks,) if isinstance(step, Exchange) else step.groups
-        for g in groups:
-            if len(g) > 1 and g not in out:
-                out.append(g)
-    return out
+Ranks = tuple[int, ...]
+_GROUPS: dict[tuple[str, Ranks], list] = {}  # (tag, ranks) -> [ProcessGroup, references]
+_RETIRED: list = []                            # destroyed, kept until the next new_group
+_WORLD: list = [None]                          # the default group the registry serves
 
 
-def acquire(groups: Iterable[tuple[int, ...]]) -> None:
-    """Create (or reference) every group; call on every rank with the same list."""
+def world_token():
+    """The default process group now (compared by identity)."""
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def check_world(token, what: str = "this bridge") -> None:
+    """Raise if the default process group ``token`` was taken from is gone."""
+    if token is None or world_token() is not token:
+        raise MimoFxError(
+            f"{what} was built in a torch.distributed world that is gone "
+            f"(destroy_process_group was called): build a new one after "
+            f"init_process_group")
+
+
+def _sync_world() -> None:
     if not dist.is_initialized():
         raise MimoFxError("the compiled backend needs torch.distributed initialised "
                           "(torch.distributed.init_process_group) before groups are prepared")
+    if _WORLD[0] is not dist.group.WORLD:  # a new world: old groups died with the old one
+        _GROUPS.clear()
+        _RETIRED.clear()
+        _WORLD[0] = dist.group.WORLD
+
+
+def check_timeout() -> float:
+    """Seconds a checked call waits for every rank's header (``MIMO_FX_CHECK_TIMEOUT``)."""
+    text = os.environ.get("MIMO_FX_CHECK_TIMEOUT", "300")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise MimoFxError(f"MIMO_FX_CHECK_TIMEOUT={text!r} must be a positive number of "
+                          f"seconds")
+    return seconds
+
+
+def _timeout(tag: str) -> timedelta | None:
+    return timedelta(seconds=check_timeout()) if tag == CHECK else None
+
+
+def acquire(groups: Iterable[Ranks], tag: str = "") -> None:
+    """Create (or reference) every group; call on every rank with the same list."""
+    _sync_world()
     world = dist.get_world_size()
     for ranks in groups:
         if ranks[-1] >= world:
             raise MimoFxError(f"group {ranks} needs rank {ranks[-1]} but the world has "
                               f"{world} ranks; check the grids' sizes and offsets")
-        entry = _GROUPS.get(ranks)
-        if entry is None:
-            pg = dist.group.WORLD if len(ranks) == world else dist.new_group(list(ranks))
-            _GROUPS[ranks] = [pg, 1]
-        else:
+        entry = _GROUPS.get((tag, ranks))
+        if entry is not None:
             entry[1] += 1
+            continue
+        if len(ranks) == world and not tag:
+            pg = dist.group.WORLD
+        else:
+            pg = dist.new_group(list(ranks), timeout=_timeout(tag))
+            _RETIRED.clear()
+        _GROUPS[tag, ranks] = [pg, 1]
 
 
-def release(groups: Iterable[tuple[int, ...]]) -> None:
+def release(groups: Iterable[Ranks], tag: str = "") -> None:
     """Drop one reference to each group; destroy groups nobody uses any more."""
     for ranks in groups:
-        entry = _GROUPS.get(ranks)
+        entry = _GROUPS.get((tag, ranks))
         if entry is None:
             continue
         entry[1] -= 1
         if entry[1] == 0:
-            pg = _GROUPS.pop(ranks)[0]
-            if pg is not dist.group.WORLD and dist.is_initialized():
-                dist.destroy_process_group(pg)
+            pg = _GROUPS.pop((tag, ranks))[0]
+            if pg is not dist.group.WORLD and _WORLD[0] is world_token() is not None:
+                if isinstance(pg, dist.ProcessGroup):  # not on non-members
+                    dist.destroy_process_group(pg)
+                _RETIRED.append(pg)
 
 
-def group_name(ranks: tuple[int, ...]) -> str:
-    """The registered name of a prepared group (a constant under ``torch.compile``)."""
-    entry = _GROUPS.get(ranks)
+def group_name(ranks: Ranks, tag: str = "") -> str:
+    """The registered name of a prepared group this rank belongs to (a constant under
+    ``torch.compile``)."""
+    entry = _GROUPS.get((tag, ranks))
     if entry is None:
         raise MimoFxError(
             f"process group {ranks} is not prepared. Groups must be created eagerly on every "

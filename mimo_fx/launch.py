@@ -36,8 +36,10 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, backend: str,
-            threads: int) -> None:
+            threads: int, record: bool) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
+    if record:  # Flight Recorder, read by mimo_fx.compiled.trace
+        os.environ["TORCH_FR_BUFFER_SIZE"] = "20000"
     torch.set_num_threads(threads)
     result: object
     try:
@@ -47,8 +49,13 @@ def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, backend: s
                                 world_size=world)
         try:
             result = fn(rank, world, *args)
+            # every rank done before any tears down: rank 0 hosts the store, and a peer
+            # still creating a group (non-members return from new_group early) needs it
+            if dist.is_initialized():  # fn may have torn its world down itself
+                dist.barrier()
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
     except BaseException:  # report, don't hang the parent
         result = {"__error__": traceback.format_exc(), "__when__": time.monotonic()}
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
@@ -61,17 +68,19 @@ _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken p
 
 
 def run_world(world: int, fn, *args, timeout: float = 300.0, backend: str = "gloo",
-              threads: int = 1) -> list:
+              threads: int = 1, record: bool = False) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; results by rank.
 
     ``fn`` must be importable by the children (a module-level function). Each process
     runs with ``threads`` intra-op threads (1 by default: many ranks share few cores).
+    With ``record`` every process keeps a Flight Recorder of its collectives
+    (:mod:`mimo_fx.compiled.trace`).
     """
     if world < 1:
         raise MimoFxError(f"world={world}: need at least one process")
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _worker, args=(world, _free_port(), fn, args, out_dir, backend, threads),
+            _worker, args=(world, _free_port(), fn, args, out_dir, backend, threads, record),
             nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:
