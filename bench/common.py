@@ -28,18 +28,36 @@ def replicas(grid: Grid) -> list[tuple[int, ...]]:
     return sorted(grid.groups(others), key=lambda g: grid.coord(g[0])["dp"])
 
 
-def bare(program) -> Callable[[], None]:
-    """A call issuing the functional collectives of a lowered program, exactly as the
-    executor does, on buffers of the packed sizes made once: no packing, no assembly."""
-    from mimo_fx.compiled import CompiledExecutor
+def bare(program, comm) -> Callable[[], None]:
+    """A call issuing the collectives of a lowered program through ``comm``, exactly as
+    the executor does, on buffers of the packed sizes made once: no packing, no
+    assembly."""
+    from mimo_fx.compiled.executor import issue
 
     bufs = [torch.randn(op.numel) for op in program.ops]
 
     def call() -> None:
         for op, buf in zip(program.ops, bufs):
-            CompiledExecutor._collective(op, buf)
+            issue(comm, op, buf)
 
     return call
+
+
+class NullComm:
+    """A comm that moves nothing: each collective returns a new buffer of its output's
+    size, as a real one would (for timing everything but the communication)."""
+
+    def all_gather(self, flat, ranks):
+        return flat.new_empty(flat.numel() * len(ranks))
+
+    def reduce_scatter(self, flat, ranks):
+        return flat.new_empty(flat.numel() // len(ranks))
+
+    def all_reduce(self, flat, ranks):
+        return flat.new_empty(flat.numel())
+
+    def all_to_all(self, flat, out_splits, in_splits, ranks):
+        return flat.new_empty(sum(out_splits))
 
 
 def timed(fns: dict[str, Callable[[], object]], iters: int,

@@ -14,15 +14,16 @@ the max over ranks of the per-rank medians (an ``all_reduce(MAX)`` of floats):
 - bare ms: the same functional collectives the bridge's forward program issues, without
   the bridge: for each op of ``bridge._fwd_program.ops`` a contiguous buffer of the packed
   size (the sum of its pieces' sizes and pads) is allocated once, and each timed
-  iteration calls the same ``torch.distributed._functional_collectives`` function with
-  the same group name and splits, then ``wait_tensor``. Timed like the bridge.
+  iteration issues the same collective through the bridge's own comm (the ordered
+  ``mimo_fx::*`` ops over ``torch.distributed``'s functional collectives, waited on),
+  with the same group and splits. Timed like the bridge.
 - ratio: redistribute / bare. Target for the >= 1 MiB rows: <= 1.10x.
 - overhead µs: the eager call overhead, i.e. everything ``bridge(x)`` does besides the
   collectives (``Redistributor.__call__``, the autograd.Function, the executor's loop,
   packing, unpacking and assembling the dst piece). Measured directly rather than as a
-  difference of two noisy gloo timings: the executor's ``_collective`` is replaced (on
-  that bridge's executor instance only) by a stub returning a pre-allocated output buffer
-  of the right size, and ``bridge(x)`` is timed alone: one rank at a time, while the
+  difference of two noisy gloo timings: that bridge's executor gets a comm that moves
+  nothing (``common.NullComm``: each collective returns a new buffer of its output's
+  size), and ``bridge(x)`` is timed alone: one rank at a time, while the
   other seven wait in a barrier, so the 2 cores are not shared (median of
   ``--overhead-iters`` calls). On the ~16 KiB rows it is the fixed per-call cost (target
   <= 50 µs); on the >= 1 MiB rows it also includes the cost of the packing and assembly
@@ -65,7 +66,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from common import bare, collectives, timed
+from common import NullComm, bare, collectives, timed
 from tabulate import tabulate
 
 from mimo_fx import Grid, Layout
@@ -138,16 +139,6 @@ def _max_over_ranks(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def _stub_collectives(bridge) -> None:
-    """Make this bridge's executor skip its collectives: each op returns a pre-allocated
-    buffer big enough for its unpacking (an instance attribute shadows the staticmethod)."""
-    outs = {}
-    for op in bridge._fwd_program.ops:
-        end = max((u[0] + math.prod(u[1]) for u in op.unpack if u is not None), default=0)
-        outs[id(op)] = torch.empty(max(end, op.numel))
-    bridge.executor._collective = lambda op, flat: outs[id(op)]
-
-
 def _measure(rank: int, world: int, case: Case, sizes: dict[str, int], iters: int,
              warmup: int, overhead_iters: int) -> dict:
     import torch._dynamo as dynamo
@@ -171,13 +162,14 @@ def _measure(rank: int, world: int, case: Case, sizes: dict[str, int], iters: in
             compiled_y = compiled(x)
             compile_s = time.perf_counter() - start
             same = torch.equal(compiled_y, eager_y)
-            medians = timed({"eager": lambda: bridge(x), "bare": bare(program),
-                              "compiled": lambda: compiled(x)}, iters, warmup)
+            medians = timed({"eager": lambda: bridge(x),
+                             "bare": bare(program, bridge.executor.comm),
+                             "compiled": lambda: compiled(x)}, iters, warmup)
             (eager_s, eager_cpu), (bare_s, bare_cpu) = medians["eager"], medians["bare"]
             compiled_s = medians["compiled"][0]
             dynamo.reset()
 
-            _stub_collectives(bridge)
+            bridge.executor.comm = NullComm()
             overhead_s = _alone(rank, world, lambda: bridge(x), overhead_iters)
         values = [eager_s, bare_s, compile_s, compiled_s, overhead_s, eager_cpu, bare_cpu,
                   src_bytes, dst_bytes, len(program.ops), 0.0 if same else 1.0]

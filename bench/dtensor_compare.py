@@ -223,7 +223,7 @@ def _measure(rank: int, case: Case, sizes: dict[str, int], iters: int, warmup: i
         fns = {"mimo_fx": lambda: bridge(x),
                "DTensor": _dtensor(case, x, tuple(x_global.shape)),
                "leader": _leader(case, rank, x, sizes),
-               "bare": bare(bridge._fwd_program)}
+               "bare": bare(bridge._fwd_program, bridge.executor.comm)}
         with torch.no_grad():
             wrong = [name for name in VARIANTS[:3]
                      if not torch.equal(fns[name](), expected)]

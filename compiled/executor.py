@@ -1,8 +1,8 @@
-"""Run one rank's lowered program (see :mod:`.lowering`) with functional collectives.
+"""Run one rank's lowered program (see :mod:`.lowering`) through a comm.
 
 The executor decides nothing: it views its src piece as stored boxes, packs each
-collective's input buffer, issues the collective from
-``torch.distributed._functional_collectives`` on a prepared group, unpacks the output,
+collective's input buffer, issues the collective through its :class:`~.comm.Comm`
+(ordered functional collectives in production, see :mod:`.comm`), unpacks the output,
 and finally assembles the dst piece -- a straight line of tensor ops and collectives
 that Dynamo traces without a graph break.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 from math import prod
 
 import torch
-import torch.distributed._functional_collectives as fc
 
+from .comm import Comm
 from .lowering import Cat, Node, Op, Program, View
 
-__all__ = ["CompiledExecutor"]
+__all__ = ["CompiledExecutor", "issue"]
 
 
 def _build(entries: list, node: Node) -> torch.Tensor:
@@ -45,16 +45,23 @@ def _pack(entries: list, op: Op, wire) -> torch.Tensor:
     return flat.to(wire) if wire is not None else flat
 
 
+def issue(comm: Comm, op: Op, flat: torch.Tensor) -> torch.Tensor:
+    """Run ``op``'s collective on its packed input through ``comm``."""
+    if op.kind == "all_to_all":
+        return comm.all_to_all(flat, op.out_splits, op.in_splits, op.ranks)
+    return getattr(comm, op.kind)(flat, op.ranks)
+
+
 class CompiledExecutor:
-    """Runs programs for one rank; ``tensors`` is always ``(local,)``.
+    """Runs programs for one rank through ``comm``; ``tensors`` is always ``(local,)``.
 
     ``local`` is the rank's src piece, or an empty placeholder on ranks holding none;
     the result is the dst piece, or an empty tensor where it holds none. With
     ``comm_dtype`` data moves in that dtype and comes back in the caller's.
     """
 
-    def __init__(self, rank: int, comm_dtype: torch.dtype | None = None) -> None:
-        self.rank = rank
+    def __init__(self, comm: Comm, comm_dtype: torch.dtype | None = None) -> None:
+        self.comm = comm
         self.comm_dtype = comm_dtype
 
     def run(self, program: Program, tensors: tuple[torch.Tensor, ...]):
@@ -68,7 +75,7 @@ class CompiledExecutor:
         entries = [canon]
         wire = self.comm_dtype
         for op in program.ops:
-            flat = self._collective(op, _pack(entries, op, wire))
+            flat = issue(self.comm, op, _pack(entries, op, wire))
             if wire is not None:
                 flat = flat.to(dtype)
             entries += [None if u is None else flat[u[0]:u[0] + prod(u[1])].view(u[1])
@@ -83,17 +90,3 @@ class CompiledExecutor:
         if program.out_local is not None:
             out = out.reshape(program.out_local)
         return (out.contiguous(),)
-
-    @staticmethod
-    def _collective(op: Op, flat: torch.Tensor) -> torch.Tensor:
-        if op.kind == "all_gather":  # all_gather_single is the newer name (torch >= 2.10)
-            gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
-            return fc.wait_tensor(gather(flat, 0, op.group))
-        if op.kind == "reduce_scatter":
-            scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
-            return fc.wait_tensor(scatter(flat, "sum", 0, op.group))
-        if op.kind == "all_reduce":
-            return fc.wait_tensor(fc.all_reduce(flat, "sum", op.group))
-        return fc.wait_tensor(fc.all_to_all_single(flat, list(op.out_splits),
-                                                   list(op.in_splits), op.group))
-

@@ -1,9 +1,11 @@
 """Lowering: one rank's share of a plan as a straight-line program of tensor ops.
 
 Done once, eagerly, when a bridge is built: every box is resolved to views of tensors
-the rank holds, every collective to a group name and fixed split sizes. The program holds
-only ints, slices, tuples and strings, so the executor's loop over it is all
+the rank holds, every collective to the ranks of its group and fixed split sizes. The
+program holds only ints, slices and tuples, so the executor's loop over it is all
 ``torch.compile`` sees: no planner code, no region arithmetic, no dict lookups by layout.
+Lowering is pure: it never asks which process group serves a set of ranks (the
+executor's comm knows).
 
 Data is described by *blocks*: per dim, a list of global intervals; the block is their
 product, stored as one C-order tensor whose dim ``k`` runs through the intervals of dim
@@ -30,8 +32,6 @@ from math import prod
 from mimo_fx.local import box_slices
 from mimo_fx.plan import Collective, Exchange, Gather, Plan, Reduce
 from mimo_fx.regions import Box, Interval, Tiling, box_volume, intersect
-
-from .groups import group_name
 
 __all__ = ["View", "Cat", "Scatter", "Op", "Program", "lower", "coalesce"]
 
@@ -77,7 +77,7 @@ class Op:
     """
 
     kind: str
-    group: str
+    ranks: tuple[int, ...]
     pack: tuple[Node | int, ...]
     stack: bool
     unpack: tuple[tuple[int, tuple[int, ...]] | None, ...]
@@ -283,7 +283,7 @@ def _member(groups, rank: int):
 
 
 def lower(plan: Plan, rank: int) -> Program:
-    """The program ``rank`` runs for ``plan`` (groups must be prepared)."""
+    """The program ``rank`` runs for ``plan``."""
     sizes = dict(plan.sizes)
     res = _Resolver()
     src_expand, src_perm = None, None
@@ -334,7 +334,7 @@ def _lower_step(step, rank: int, res: _Resolver) -> Op | None:
         send_blocks = [b for r in step.ranks for b in coalesce(send.get(r, ()))]
         pack, stack, numel = _pack(res, send_blocks)
         blocks, unpack = _unpack(*_laid_out(out_parts))
-        op = Op("all_to_all", group_name(step.ranks), tuple(pack), stack, tuple(unpack), numel,
+        op = Op("all_to_all", step.ranks, tuple(pack), stack, tuple(unpack), numel,
                 tuple(sum(map(box_volume, send.get(r, ()))) for r in step.ranks),
                 tuple(sum(map(box_volume, recv.get(r, ()))) for r in step.ranks))
         res.new(blocks)
@@ -352,7 +352,7 @@ def _lower_step(step, rank: int, res: _Resolver) -> Op | None:
             return None
         pack, stack, numel = _pack(res, coalesce(parts[me]), chunk)
         blocks, unpack = _unpack(*_laid_out([coalesce(p) for p in parts], chunk))
-        op = Op("all_gather", group_name(ranks), tuple(pack), stack, tuple(unpack), numel)
+        op = Op("all_gather", ranks, tuple(pack), stack, tuple(unpack), numel)
         res.new(blocks)
         return op
     if step.kind is Collective.ALL_REDUCE:
@@ -364,7 +364,7 @@ def _lower_step(step, rank: int, res: _Resolver) -> Op | None:
         region = coalesce(step.regions[g])
         pack, stack, numel = _pack(res, region)
         blocks, unpack = _unpack(*_laid_out([region]))
-        op = Op("all_reduce", group_name(ranks), tuple(pack), stack, tuple(unpack), numel)
+        op = Op("all_reduce", ranks, tuple(pack), stack, tuple(unpack), numel)
         res.new(blocks, replace_all=True)
         return op
     if chunk == 0:
@@ -379,6 +379,6 @@ def _lower_step(step, rank: int, res: _Resolver) -> Op | None:
         numel += n
     mine = coalesce(parts[me])
     blocks, unpack = _unpack(*_laid_out([mine]))
-    op = Op("reduce_scatter", group_name(ranks), tuple(pack), False, tuple(unpack), numel)
+    op = Op("reduce_scatter", ranks, tuple(pack), False, tuple(unpack), numel)
     res.new(blocks, replace_all=True)
     return op

@@ -30,30 +30,51 @@ class _Rendezvous:
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self.posts: dict[tuple[str, int], dict[int, tuple]] = {}
-        self.results: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
-        self.calls: dict[tuple[int, str], int] = {}
+        self.posts: dict[tuple[tuple[int, ...], int], dict[int, tuple]] = {}
+        self.results: dict[tuple[tuple[int, ...], int], dict[int, torch.Tensor]] = {}
+        self.calls: dict[tuple[int, tuple[int, ...]], int] = {}
 
-    def collective(self, rank: int, op, flat: torch.Tensor) -> torch.Tensor:
-        members = tuple(int(r) for r in op.group[1:].split("_"))
+    def collective(self, rank: int, members: tuple[int, ...], post: tuple) -> torch.Tensor:
         with self.cond:
-            n = self.calls.get((rank, op.group), 0)
-            self.calls[(rank, op.group)] = n + 1
-            key = (op.group, n)
-            self.posts.setdefault(key, {})[rank] = (op, flat.clone())
+            n = self.calls.get((rank, members), 0)
+            self.calls[(rank, members)] = n + 1
+            key = (members, n)
+            self.posts.setdefault(key, {})[rank] = post
             if len(self.posts[key]) == len(members):
                 self.results[key] = _compute(members, self.posts[key])
                 self.cond.notify_all()
             if not self.cond.wait_for(lambda: key in self.results, timeout=20):
-                raise AssertionError(f"rank {rank}: collective {op.kind} on {members} never "
+                raise AssertionError(f"rank {rank}: collective {post[0]} on {members} never "
                                      f"met its peers (mismatched programs)")
             return self.results[key][rank]
 
 
+class ThreadComm:
+    """The comm of one rank (a thread) of a :class:`_Rendezvous`."""
+
+    def __init__(self, world: _Rendezvous, rank: int) -> None:
+        self.world, self.rank = world, rank
+
+    def _post(self, kind, ranks, flat, out_splits=(), in_splits=()):
+        post = (kind, flat.clone(), tuple(out_splits), tuple(in_splits))
+        return self.world.collective(self.rank, ranks, post)
+
+    def all_gather(self, flat, ranks):
+        return self._post("all_gather", ranks, flat)
+
+    def reduce_scatter(self, flat, ranks):
+        return self._post("reduce_scatter", ranks, flat)
+
+    def all_reduce(self, flat, ranks):
+        return self._post("all_reduce", ranks, flat)
+
+    def all_to_all(self, flat, out_splits, in_splits, ranks):
+        return self._post("all_to_all", ranks, flat, out_splits, in_splits)
+
+
 def _compute(members, posts) -> dict[int, torch.Tensor]:
-    ops = {r: posts[r][0] for r in members}
+    kinds = {posts[r][0] for r in members}
     flats = [posts[r][1] for r in members]
-    kinds = {op.kind for op in ops.values()}
     assert len(kinds) == 1, f"members {members} issued different collectives {kinds}"
     kind = kinds.pop()
     n = len(members)
@@ -71,20 +92,12 @@ def _compute(members, posts) -> dict[int, torch.Tensor]:
     for j, r in enumerate(members):
         pieces = []
         for i, s in enumerate(members):
-            splits = ops[s].in_splits
-            assert ops[r].out_splits[i] == splits[j], "all_to_all split sizes disagree"
+            splits = posts[s][3]
+            assert posts[r][2][i] == splits[j], "all_to_all split sizes disagree"
             start = sum(splits[:j])
             pieces.append(flats[i][start:start + splits[j]])
         out[r] = torch.cat(pieces)
     return out
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fake_groups():
-    real = lower_mod.group_name
-    lower_mod.group_name = lambda ranks: "g" + "_".join(map(str, ranks))
-    yield
-    lower_mod.group_name = real
 
 
 def _run(p, inputs: dict[int, torch.Tensor], ndim: int) -> dict[int, torch.Tensor]:
@@ -95,8 +108,7 @@ def _run(p, inputs: dict[int, torch.Tensor], ndim: int) -> dict[int, torch.Tenso
 
     def one(rank):
         try:
-            ex = CompiledExecutor(rank)
-            ex._collective = lambda op, flat: world.collective(rank, op, flat)
+            ex = CompiledExecutor(ThreadComm(world, rank))
             x = inputs.get(rank)
             if x is None:
                 x = torch.empty((0,) * ndim, dtype=torch.float64)
