@@ -40,6 +40,9 @@ class Grid:
         object.__setattr__(self, "sizes", tuple(axes.values()))
         object.__setattr__(self, "offset", offset)
         self._check()
+        # computed now, not on first use: a first use under torch.compile would trace
+        # cached_property's lock (Python < 3.12), which Dynamo cannot
+        self.size, self.ranks, self.strides, self._coords  # noqa: B018
 
     def _check(self) -> None:
         if not self.names:

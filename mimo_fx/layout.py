@@ -96,6 +96,9 @@ class Layout:
         object.__setattr__(self, "split", _check_split(split, grid, self.pattern))
         object.__setattr__(self, "_groups", groups)
         self._check_axes_usage()
+        # computed now, not on first use: a first use under torch.compile would trace
+        # cached_property's lock (Python < 3.12), which Dynamo cannot
+        self.dims, self.sharding, self.sharded_axes, self.replicated, self.holders  # noqa: B018
 
     # -- structure -----------------------------------------------------------------------
     @property

@@ -92,43 +92,63 @@ def infer_sizes(
     With every shard's shape at hand (the reference backend) uneven splits are inferred
     exactly; from one rank's shape a sharded dim is taken as evenly split, so pass uneven
     sizes explicitly. A group flattening several dims needs all but one of them given.
+    Replicas of one shard must agree: a rank whose shape differs is named.
     """
-    sizes = {d: n for d, n in given.items() if d in layout.dims}
+    unknown = [d for d in given if d not in layout.dims]
+    if unknown:
+        raise MimoFxError(f"sizes name {unknown}, which are not dims of {layout.pattern!r}; "
+                          f"its dims are {layout.dims}")
+    for rank, shape in shapes.items():
+        if len(shape) != len(layout.groups):
+            raise MimoFxError(
+                f"rank {rank}: local tensor has {len(shape)} dims {tuple(shape)} but layout "
+                f"{layout.pattern!r} has {len(layout.groups)} local dims; give one tensor "
+                f"dim per pattern group")
+    sizes = dict(given)
     for gi, group in enumerate(layout.groups):
-        unknown = [f for f in group if f.dim not in sizes]
-        if not unknown:
+        unknown_factors = [f for f in group if f.dim not in sizes]
+        if not unknown_factors:
             continue
-        if len(unknown) > 1:
-            names = [f.dim for f in unknown]
+        if len(unknown_factors) > 1:
+            names = [f.dim for f in unknown_factors]
             raise MimoFxError(
                 f"layout {layout.pattern!r}: local dim {gi} flattens {names}, so their global "
                 f"sizes cannot be told apart from the local shape; pass all but one of them "
                 f"as keyword sizes, e.g. {names[-1]}=..."
             )
-        factor = unknown[0]
-        per_shard: dict[tuple[int, ...], int] = {}
-        for rank, shape in shapes.items():
-            if len(shape) != len(layout.groups):
-                raise MimoFxError(
-                    f"rank {rank}: local tensor has {len(shape)} dims but layout "
-                    f"{layout.pattern!r} has {len(layout.groups)}; one local dim per group"
-                )
-            others = prod(_local_extent(layout, f, sizes[f.dim], rank)
-                          for f in group if f is not factor)
-            if others == 0:
-                continue
-            coord = layout.grid.coord(rank)
-            key = tuple(coord[a] for a in factor.axes)
-            per_shard[key] = shape[gi] // others
-        parts = prod(layout.grid.axis_size(a) for a in factor.axes)
-        if len(per_shard) == parts:
-            sizes[factor.dim] = sum(per_shard.values())
-        elif per_shard:
-            sizes[factor.dim] = max(per_shard.values()) * parts
-        else:
-            raise MimoFxError(f"cannot infer the size of {factor.dim!r} in "
-                              f"{layout.pattern!r}; pass {factor.dim}=...")
+        sizes[unknown_factors[0].dim] = _infer_one(layout, gi, unknown_factors[0], shapes,
+                                                   sizes)
     return sizes
+
+
+def _infer_one(layout: Layout, gi: int, factor, shapes, sizes) -> int:
+    """The global size of ``factor`` (the one unknown dim of local dim ``gi``)."""
+    per_shard: dict[tuple[int, ...], tuple[int, int]] = {}  # shard -> (extent, rank)
+    for rank, shape in shapes.items():
+        others = 1
+        for f in layout.groups[gi]:
+            if f is not factor:
+                others *= _local_extent(layout, f, sizes[f.dim], rank)
+        if others == 0:
+            continue
+        coord = layout.grid.coord(rank)
+        key = tuple([coord[a] for a in factor.axes])
+        extent = shape[gi] // others
+        seen = per_shard.setdefault(key, (extent, rank))
+        if seen[0] != extent:
+            raise MimoFxError(
+                f"ranks {seen[1]} and {rank} hold the same shard of {factor.dim!r} under "
+                f"{layout.pattern!r} but their local dim {gi} has {seen[0] * others} and "
+                f"{shape[gi]} elements; one of them passed the wrong tensor")
+    parts = 1
+    for a in factor.axes:
+        parts *= layout.grid.axis_size(a)
+    if len(per_shard) == parts:
+        return sum([extent for extent, _ in per_shard.values()])
+    if per_shard:
+        return max([extent for extent, _ in per_shard.values()]) * parts
+    raise MimoFxError(f"cannot infer the size of {factor.dim!r} in {layout.pattern!r}; pass "
+                      f"{factor.dim}=...")
 
 
 def _local_extent(layout: Layout, factor, size: int, rank: int) -> int:

@@ -128,6 +128,10 @@ class MimoParallelism:
     def check_batches(self, global_batch: int, micro_batch: int, microbatches: int) -> None:
         """Micro-batch and global batch divisible by every module's DP, and
         microbatches x micro-batch = global batch."""
+        for what, n in (("global batch", global_batch), ("micro-batch", micro_batch),
+                        ("microbatches", microbatches)):
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise MimoFxError(f"{what} {n!r} must be a positive integer")
         if microbatches * micro_batch != global_batch:
             raise MimoFxError(
                 f"microbatches x micro-batch = {microbatches} x {micro_batch} = "

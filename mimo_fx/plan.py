@@ -34,6 +34,7 @@ True
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cache, cached_property, lru_cache
@@ -45,7 +46,7 @@ from .regions import Box, Tiling, box_volume, intersect
 
 __all__ = [
     "Collective", "Transfer", "Reduce", "Gather", "Exchange", "Plan", "plan", "backward_plan",
-    "check_sizes", "format_bytes",
+    "check_sizes", "size_arguments", "format_bytes",
 ]
 
 
@@ -213,6 +214,15 @@ class Plan:
                         out[rank] += factor * -(-(k - 1) * region // k) * self.itemsize
         return dict(out)
 
+    @cached_property
+    def rank_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The groups of ranks (two or more) its steps run on, in issue order."""
+        out: list[tuple[int, ...]] = []
+        for step in self.steps:
+            groups = (step.ranks,) if isinstance(step, Exchange) else step.groups
+            out.extend(g for g in groups if len(g) > 1 and g not in out)
+        return tuple(out)
+
     @property
     def collectives(self) -> tuple[tuple[Collective, int], ...]:
         """``(kind, number of groups)`` per step, in issue order."""
@@ -286,7 +296,10 @@ def plan(src: Layout, dst: Layout, sizes: dict[str, int], dtype=None) -> Plan:
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise MimoFxError(f"plan needs two Layouts, got {src!r} and {dst!r}")
     sizes_key = check_sizes(src, dst, sizes)
-    itemsize = 4 if dtype is None else int(getattr(dtype, "itemsize", dtype))
+    itemsize = 4 if dtype is None else getattr(dtype, "itemsize", dtype)
+    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize <= 0:
+        raise MimoFxError(f"dtype={dtype!r}: give a torch.dtype (or a positive number of "
+                          f"bytes per element)")
     return _plan(src, dst, sizes_key, itemsize)
 
 
@@ -316,6 +329,33 @@ def _bwd_dst(dst: Layout, grad_partial: tuple[str, ...]) -> Layout:
                 f"on replicated axes can be per-replica contributions"
             )
     return dst.with_partial(grad_partial) if grad_partial or dst.partial else dst
+
+
+def size_arguments(src: Layout, dst: Layout, sizes, dim_sizes: dict, where: str,
+                   options: tuple[str, ...]) -> dict[str, int]:
+    """The global sizes a call gives: ``sizes=`` merged with size keywords. Every name
+    must be a dim of the layouts (a misspelt option is not a size)."""
+    if sizes is not None and not isinstance(sizes, Mapping):
+        raise MimoFxError(f"{where}: sizes={sizes!r} must be a dict {{dim: global size}}")
+    merged = dict(sizes or {})
+    twice = sorted(set(merged) & set(dim_sizes))
+    if twice:
+        raise MimoFxError(f"{where}: sizes of {twice} are given twice (in sizes= and as "
+                          f"keywords); give each once")
+    merged.update(dim_sizes)
+    dims = tuple(dict.fromkeys(src.dims + dst.dims))
+    unknown = [n for n in merged if n not in dims]
+    if unknown:
+        raise MimoFxError(
+            f"{where}: {', '.join(map(repr, unknown))} is not a dim of src {src.pattern!r} or "
+            f"dst {dst.pattern!r} (dims: {', '.join(dims)}) nor an option ("
+            f"{', '.join(options)}); size keywords name dims only (a dim named like an "
+            f"option goes in sizes={{...}})")
+    for d, n in merged.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise MimoFxError(f"{where}: size {d}={n!r} must be a positive integer (the "
+                              f"global size)")
+    return merged
 
 
 def check_sizes(src: Layout, dst: Layout, sizes: dict[str, int]) -> tuple[tuple[str, int], ...]:

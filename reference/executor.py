@@ -24,7 +24,16 @@ from mimo_fx.local import (
     to_canonical,
 )
 from mimo_fx.op import apply
-from mimo_fx.plan import Collective, Exchange, Gather, Plan, Reduce, backward_plan, plan
+from mimo_fx.plan import (
+    Collective,
+    Exchange,
+    Gather,
+    Plan,
+    Reduce,
+    backward_plan,
+    plan,
+    size_arguments,
+)
 from mimo_fx.regions import Tiling
 
 __all__ = ["ReferenceExecutor", "redistribute"]
@@ -90,13 +99,17 @@ _EXECUTOR = ReferenceExecutor()
 
 
 def redistribute(
-    pieces: dict[int, torch.Tensor], src: Layout, dst: Layout, *, grad_partial=(), **sizes
+    pieces: dict[int, torch.Tensor], src: Layout, dst: Layout, *, sizes=None,
+    grad_partial=(), **dim_sizes
 ) -> dict[int, torch.Tensor]:
     """Redistribute every src rank's piece to every dst rank, through the custom vjp.
 
     ``pieces`` must hold exactly the src holders' local tensors; the result holds the dst
-    holders'. Global sizes are inferred from the pieces unless given.
+    holders'. Global sizes (``sizes={dim: n}`` and size keywords) are inferred from the
+    pieces unless given; a keyword that is not a dim raises.
     """
+    given = size_arguments(src, dst, sizes, dim_sizes, "redistribute (reference backend)",
+                           ("sizes", "grad_partial"))
     holders = src.holders
     missing = [r for r in holders if r not in pieces]
     extra = [r for r in pieces if r not in holders]
@@ -107,7 +120,7 @@ def redistribute(
     if len(dtypes) != 1:
         raise MimoFxError(f"redistribute: pieces have mixed dtypes {sorted(map(str, dtypes))}")
     dtype = dtypes.pop()
-    full = infer_sizes(src, {r: tuple(pieces[r].shape) for r in holders}, sizes)
+    full = infer_sizes(src, {r: tuple(pieces[r].shape) for r in holders}, given)
     fwd = plan(src, dst, full, dtype)
     bwd = backward_plan(src, dst, full, dtype, grad_partial)
     out = apply(_EXECUTOR, fwd, bwd, tuple(pieces[r] for r in holders))
