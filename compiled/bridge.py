@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from mimo_fx.errors import MimoFxError
-
-from . import Redistributor
+from .redistributor import Redistributor
 
 __all__ = ["Bridge"]
 
@@ -42,41 +40,45 @@ class Bridge(Redistributor):
     def _placeholder(self, ndim: int) -> torch.Tensor:
         return torch.empty((0,) * ndim, dtype=self.dtype, device=self.device)
 
-    def _src_input(self, x: torch.Tensor | None) -> torch.Tensor:
-        if x is None:
-            if self._src_shape is not None:
-                raise MimoFxError(f"rank {self.rank} holds a src piece of shape "
-                                  f"{self._src_shape}; send it")
-            return self._placeholder(len(self.src.groups))
-        return x.detach()
+    def _forward(self, x: torch.Tensor | None) -> torch.Tensor:
+        """Validate ``x`` (this rank's src piece or None) and run the forward program."""
+        self._assert_live()
+        self._guard(x, "src")
+        x = self._placeholder(len(self.src.groups)) if x is None else x.detach()
+        return self._run(self._fwd_program, x)
+
+    def _backward(self, grad: torch.Tensor | None) -> torch.Tensor:
+        """Validate ``grad`` (this rank's dst cotangent or None) and run the adjoint."""
+        self._assert_live()
+        self._guard(grad, "dst")
+        grad = self._placeholder(len(self.dst.groups)) if grad is None else grad.detach()
+        return self._run(self._bwd_program, grad)
 
     def send_forward(self, x: torch.Tensor | None) -> torch.Tensor:
         """Send this rank's src piece; returns what it receives under dst (often empty)."""
-        return self._run(self._fwd_program, self._src_input(x))
+        return self._forward(x)
 
     def recv_forward(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's dst piece, as a leaf that requires grad (a stage input)."""
-        y = self._run(self._fwd_program, self._src_input(x))
+        y = self._forward(x)
         return y.requires_grad_(torch.is_floating_point(y))
 
     def send_backward(self, grad: torch.Tensor | None) -> torch.Tensor:
         """Send the gradient of this rank's dst piece; returns its src gradient if any."""
-        if grad is None:
-            grad = self._placeholder(len(self.dst.groups))
-        return self._run(self._bwd_program, grad.detach())
+        return self._backward(grad)
 
     def recv_backward(self, grad: torch.Tensor | None = None) -> torch.Tensor:
         """The gradient of this rank's src piece (``shard(G, src*)``)."""
-        return self.send_backward(grad)
+        return self._backward(grad)
 
     def send_forward_recv_backward(self, x: torch.Tensor | None,
                                    grad: torch.Tensor | None = None) -> torch.Tensor:
         """Forward ``x``, then receive its gradient (src side of a 1F1B step)."""
-        self.send_forward(x)
-        return self.recv_backward(grad)
+        self._forward(x)
+        return self._backward(grad)
 
     def send_backward_recv_forward(self, grad: torch.Tensor | None,
                                    x: torch.Tensor | None = None) -> torch.Tensor:
         """Send ``grad`` back, then receive the next activation (dst side of a 1F1B step)."""
-        self.send_backward(grad)
+        self._backward(grad)
         return self.recv_forward(x)

@@ -12,3 +12,14 @@ from .plan import Collective, Plan, backward_plan, plan
 
 __all__ = ["Collective", "Grid", "Layout", "MimoFxError", "Plan", "backward_plan", "plan",
            "redistribute"]
+
+_SUBPACKAGES = ("compiled", "reference", "dtensor")
+
+
+def __getattr__(name: str):
+    """``mimo_fx.compiled`` and the other backends, imported on first use."""
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

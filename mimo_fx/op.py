@@ -55,7 +55,8 @@ def apply(executor: Executor, fwd, bwd, tensors) -> tuple[torch.Tensor, ...]:
     return _Redistribute.apply(executor, fwd, bwd, *tensors)
 
 
-def redistribute(x, src, dst, *, grad_partial=(), **sizes):
+def redistribute(x, src, dst, *, sizes=None, grad_partial=(), comm_dtype=None,
+                 checked: bool = False, dtype=None, **dim_sizes):
     """Move a tensor from layout ``src`` to layout ``dst``; differentiable.
 
     ``x`` is either this rank's local tensor (``None`` on ranks holding no src piece)
@@ -64,11 +65,14 @@ def redistribute(x, src, dst, *, grad_partial=(), **sizes):
     rank's piece, which the reference backend runs for the whole world in this process,
     returning a dict for the dst ranks. A DTensor is moved to another mesh:
     ``redistribute(dtensor, dst_mesh, dst_placements)`` returns a DTensor on
-    ``dst_mesh`` (see :func:`mimo_fx.dtensor.redistribute_dtensor`). ``sizes`` gives
-    global dim sizes the local shapes cannot tell; compiled-backend options
-    (``comm_dtype``, ``checked``, ``dtype``) pass through ``sizes``' keywords.
+    ``dst_mesh`` (see :func:`mimo_fx.dtensor.redistribute_dtensor`).
+
+    Global dim sizes the local shapes cannot tell are size keywords (``b=30``) or
+    ``sizes={"b": 30}`` (for a dim named like an option); any other keyword raises.
     ``grad_partial`` names dst replicated axes whose cotangents are per-replica
-    contributions to be summed (e.g. a zero-padding CP ``index_select``).
+    contributions to be summed (e.g. a zero-padding CP ``index_select``). The compiled
+    backend's options: ``comm_dtype`` (move data in this dtype), ``checked`` (every rank
+    raises on any rank's mistake), ``dtype`` (for ranks passing None).
 
     >>> import torch
     >>> from mimo_fx import Grid, Layout
@@ -81,16 +85,29 @@ def redistribute(x, src, dst, *, grad_partial=(), **sizes):
     ([0, 1, 2, 3], [[1.0], [3.0], [5.0], [7.0]])
     """
     if isinstance(x, Mapping):
+        compiled_only = {"comm_dtype": comm_dtype, "checked": checked, "dtype": dtype}
+        given = [k for k, v in compiled_only.items() if v not in (None, False)]
+        if given:
+            raise MimoFxError(f"redistribute of a dict {{rank: tensor}} runs the reference "
+                              f"backend, which takes no {given}; those are options of the "
+                              f"compiled backend (one tensor per process)")
         from .reference import redistribute as reference_redistribute
 
-        return reference_redistribute(x, src, dst, grad_partial=grad_partial, **sizes)
+        return reference_redistribute(x, src, dst, sizes=sizes, grad_partial=grad_partial,
+                                      **dim_sizes)
     if is_dtensor(x):
         from .dtensor import redistribute_dtensor
 
-        return redistribute_dtensor(x, src, dst, grad_partial=grad_partial, **sizes)
+        if sizes is not None or dim_sizes or dtype is not None:
+            raise MimoFxError("redistribute(dtensor, dst_mesh, dst_placements) takes its "
+                              "sizes and dtype from the DTensor; pass no sizes or dtype")
+        return redistribute_dtensor(x, src, dst, grad_partial=grad_partial,
+                                    comm_dtype=comm_dtype, checked=checked)
     if x is not None and not isinstance(x, torch.Tensor):
         raise MimoFxError(f"redistribute takes a tensor, None, or a dict {{rank: tensor}}; "
                           f"got {type(x).__name__}")
     from .compiled import redistribute as compiled_redistribute
 
-    return compiled_redistribute(x, src, dst, grad_partial=grad_partial, **sizes)
+    return compiled_redistribute(x, src, dst, sizes=sizes, grad_partial=grad_partial,
+                                 comm_dtype=comm_dtype, checked=checked, dtype=dtype,
+                                 **dim_sizes)
