@@ -1,43 +1,27 @@
 """The compiled backend on gloo: a sample of the shared table in one spawned world.
 
 Every rank runs the case through a Redistributor and compares its output and input
-gradient with the oracle (bitwise for pure data movement), and counts the functional
-collectives it issued against the plan.
+gradient with the oracle (bitwise for pure data movement; a partial dst with the
+reference backend's output), and counts the collectives its process groups ran
+(Flight Recorder) against the plan.
 """
 
 from __future__ import annotations
 
-from itertools import chain
-
 import pytest
 import torch
 from cases import CASES, Case, star
+from harness import expected_calls, expected_output
 
 from mimo_fx.launch import run_world
-from mimo_fx.plan import Exchange
 from mimo_fx.reference import shard
-from mimo_fx.regions import box_volume
 
 WORLD = 8
 SAMPLE = [c for c in CASES if c.world <= WORLD]
 
 
-def _expected_calls(plan, rank: int) -> int:
-    """One collective per step the rank takes part in: every rank of an all-to-all, and
-    the members of a gather or reduce group of two or more ranks with data to move (a
-    group whose shares are all empty, as uneven chunk splits leave, has nothing to do)."""
-    calls = 0
-    for step in plan.steps:
-        if isinstance(step, Exchange):
-            calls += rank in step.ranks
-        else:
-            calls += any(rank in g and len(g) > 1 and any(map(box_volume, chain(*parts)))
-                         for g, parts in zip(step.groups, step.parts))
-    return calls
-
-
-def _run_case(rank: int, case: Case, counter: dict, device: str = "cpu") -> str | None:
-    from mimo_fx.compiled import Redistributor
+def _run_case(rank: int, case: Case, device: str = "cpu") -> str | None:
+    from mimo_fx.compiled import Redistributor, trace
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn([case.sizes[d] for d in case.src.dims], generator=gen, dtype=torch.float64)
@@ -49,32 +33,33 @@ def _run_case(rank: int, case: Case, counter: dict, device: str = "cpu") -> str 
             local = local.to(device).requires_grad_()
         with torch.no_grad():  # the no-autograd fast path gives the same result
             y_fast = bridge(local)
-        counter.clear()
+        start = trace.mark()
         y_dev = bridge(local)
         y = y_dev
-        fwd_calls = sum(counter.values())
+        fwd_calls = len(trace.since(start))
         if y is not None and not torch.equal(y_fast, y.detach()):
             return f"rank {rank}: no-grad call differs from the autograd call"
         if rank not in bridge.union:
             return None if y is None else f"rank {rank} off both grids got {y!r}"
-        x_dst = x.permute([case.src.dims.index(d) for d in case.dst.dims])
-        expected = shard(x_dst, case.dst).get(rank) if not case.dst.partial else None
+        expected = expected_output(case, x).get(rank)
         y = y.cpu()
         if expected is not None:
-            same = (torch.allclose(y, expected) if case.src.partial
-                    else torch.equal(y, expected))
+            exact = not case.src.partial and not case.dst.partial
+            same = torch.equal(y, expected) if exact else torch.allclose(y, expected)
             if not same:
                 return f"forward differs on rank {rank}"
-        elif case.dst.holds(rank) is False and y.numel() != 0:
+        elif y.numel() != 0:
             return f"rank {rank} holds nothing under dst but got {tuple(y.shape)}"
-        if fwd_calls != _expected_calls(bridge.fwd, rank):
+        if fwd_calls != expected_calls(bridge.fwd, rank):
             return f"rank {rank}: {fwd_calls} collectives, plan says " \
-                   f"{_expected_calls(bridge.fwd, rank)}"
+                   f"{expected_calls(bridge.fwd, rank)}"
         cot = shard(g, star(case.dst)).get(rank)
-        counter.clear()
+        start = trace.mark()
         y_dev.backward(cot.to(device) if cot is not None else torch.zeros_like(y_dev))
-        if sum(counter.values()) != _expected_calls(bridge.bwd, rank):
-            return f"rank {rank}: backward issued {sum(counter.values())} collectives"
+        bwd_calls = len(trace.since(start))
+        if bwd_calls != expected_calls(bridge.bwd, rank):
+            return f"rank {rank}: backward issued {bwd_calls} collectives, plan says " \
+                   f"{expected_calls(bridge.bwd, rank)}"
         if local is not None:
             g_src = g.permute([case.dst.dims.index(d) for d in case.src.dims])
             if not torch.equal(local.grad.cpu(), shard(g_src, star(case.src))[rank]):
@@ -85,30 +70,13 @@ def _run_case(rank: int, case: Case, counter: dict, device: str = "cpu") -> str 
 
 
 def _table_on_world(rank: int, world: int, names: list[str], device: str = "cpu") -> dict:
-    import torch.distributed._functional_collectives as fc
-
-    import mimo_fx.compiled.executor as executor
     from mimo_fx.compiled import live_groups
 
-    counter: dict[str, int] = {}
-
-    class Counting:  # wraps the functional collectives the executor calls
-        def __getattr__(self, name):
-            fn = getattr(fc, name)
-            if name == "wait_tensor":
-                return fn
-
-            def counted(*args, **kwargs):
-                counter[name] = counter.get(name, 0) + 1
-                return fn(*args, **kwargs)
-            return counted
-
-    executor.fc = Counting()
     out = {}
     for case in CASES:
         if case.name in names:
             try:
-                out[case.name] = _run_case(rank, case, counter,
+                out[case.name] = _run_case(rank, case,
                                            device if device == "cpu" else f"cuda:{rank}")
             except Exception as err:  # report per case; keep the world going
                 out[case.name] = f"{type(err).__name__}: {err}"
@@ -118,7 +86,7 @@ def _table_on_world(rank: int, world: int, names: list[str], device: str = "cpu"
 
 @pytest.fixture(scope="module")
 def table_results():
-    return run_world(WORLD, _table_on_world, [c.name for c in SAMPLE])
+    return run_world(WORLD, _table_on_world, [c.name for c in SAMPLE], record=True)
 
 
 @pytest.mark.parametrize("case", SAMPLE, ids=[c.name for c in SAMPLE])
@@ -139,6 +107,6 @@ def test_table_sample_on_nccl():
     """The same executor on NCCL: device placement follows the input tensor."""
     world = min(GPUS, WORLD)
     names = [c.name for c in SAMPLE if c.world <= world]
-    results = run_world(world, _table_on_world, names, "cuda", backend="nccl")
+    results = run_world(world, _table_on_world, names, "cuda", backend="nccl", record=True)
     problems = {n: [r[n] for r in results if r[n] is not None] for n in names}
     assert not any(problems.values()), {n: p[:2] for n, p in problems.items() if p}

@@ -1,0 +1,95 @@
+"""Which collectives this process ran, read back from torch's Flight Recorder.
+
+Flight Recorder keeps, per process, a ring buffer of the collectives its process groups
+ran -- gloo and NCCL alike, whether an eager call, an aot_eager graph or inductor's
+generated code issued them. It is on when the environment has ``TORCH_FR_BUFFER_SIZE``
+(entries kept) before ``init_process_group``; :func:`mimo_fx.launch.run_world` sets it
+with ``record=True``. Comparing the records of every rank is how the tests check the
+invariant that every rank of a bridge issues the same collectives in the same order.
+
+>>> # on every rank, with TORCH_FR_BUFFER_SIZE=20000 set before init_process_group:
+>>> # start = mark(); bridge(x).sum().backward(); calls = since(start)
+>>> # [c.kind for c in calls]   ->  ['all_to_all', 'all_to_all']
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+
+from mimo_fx.errors import MimoFxError
+
+__all__ = ["ENV", "Call", "enabled", "mark", "since"]
+
+ENV = "TORCH_FR_BUFFER_SIZE"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective as the process group ran it."""
+
+    record: int                   # Flight Recorder's id, increasing
+    kind: str                     # all_gather, reduce_scatter, all_reduce, all_to_all, ...
+    ranks: tuple[int, ...]        # the group's global ranks
+    numel_in: int
+    numel_out: int
+
+
+def enabled() -> bool:
+    return int(os.environ.get(ENV, "0") or 0) > 0
+
+
+def _entries() -> list[dict]:
+    if not enabled():
+        raise MimoFxError(f"Flight Recorder is off: set {ENV}=20000 in the environment before "
+                          f"torch.distributed.init_process_group (run_world(..., record=True) "
+                          f"does)")
+    import torch
+
+    return pickle.loads(torch._C._distributed_c10d._dump_fr_trace()).get("entries", [])
+
+
+def mark() -> int:
+    """The id of the newest record (-1 if none): pass it to :func:`since`."""
+    entries = _entries()
+    return entries[-1]["record_id"] if entries else -1
+
+
+def _group_ranks() -> dict[str, tuple[int, ...]]:
+    import torch.distributed as dist
+
+    world = dist.distributed_c10d._world
+    return {name: tuple(dist.get_process_group_ranks(pg)) for pg, name in world.pg_names.items()}
+
+
+def _kind(name: str) -> str:
+    kind = name.split(":", 1)[-1]
+    return {"_allgather_base": "all_gather", "all_gather_into_tensor": "all_gather",
+            "_reduce_scatter_base": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+            "allreduce": "all_reduce", "alltoall_base": "all_to_all"}.get(kind, kind)
+
+
+def since(start: int) -> list[Call]:
+    """The collectives recorded after :func:`mark` returned ``start``, oldest first."""
+    entries = _entries()
+    fresh = [e for e in entries if e["record_id"] > start]
+    if fresh and entries[0]["record_id"] > start + 1:
+        raise MimoFxError(f"Flight Recorder dropped records after {start} (its ring buffer "
+                          f"holds {len(entries)}): raise {ENV}")
+    groups = _group_ranks()
+    out = []
+    for e in fresh:
+        name = e["process_group"][0]
+        numel = [1 if not s else _prod(s) for s in (e["input_sizes"] or [[0]])]
+        numel_out = [1 if not s else _prod(s) for s in (e["output_sizes"] or [[0]])]
+        out.append(Call(e["record_id"], _kind(e["profiling_name"]), groups.get(name, ()),
+                        sum(numel), sum(numel_out)))
+    return out
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

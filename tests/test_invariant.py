@@ -1,0 +1,176 @@
+"""The invariant: every rank of a bridge issues the same collectives, in the same order,
+forward and backward, eager or compiled with any backend.
+
+One 8-rank gloo world with Flight Recorder on runs every case of the shared table
+(world <= 8) as one training step -- all bridges in one function, so one compiled graph
+holds them all, as a real step holds several -- under eager, aot_eager and inductor, with
+``loss.backward()`` and with ``torch.func.grad_and_value``, for 3 steps (a desync may only
+show on the second). Each rank records what its process groups actually ran; the test
+then checks, per step:
+
+- every rank ran exactly the collectives the plans give it (forward and backward);
+- on every group, all members ran the same kinds in the same order, with equal sizes
+  where the collective needs them equal;
+- every output and input gradient equals the oracle's (bitwise for pure data movement).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from cases import CASES, Case, star
+from harness import expected_calls, expected_output
+
+from mimo_fx.launch import run_world
+from mimo_fx.reference import shard
+
+WORLD = 8
+SAMPLE = [c for c in CASES if c.world <= WORLD]
+BACKENDS = ("eager", "aot_eager", "inductor")
+MODES = ("backward", "func")
+STEPS = 3
+
+
+def _data(case: Case, index: int, step: int):
+    gen = torch.Generator().manual_seed(1000 * step + index)
+    x = torch.randn([case.sizes[d] for d in case.src.dims], generator=gen, dtype=torch.float64)
+    g = torch.randn([case.sizes[d] for d in case.dst.dims], generator=gen, dtype=torch.float64)
+    return x, g
+
+
+def _step_fn(bridges, mode: str):
+    def loss_fn(xs, cots):
+        ys = {}  # by case index; a bridge gives None off both its grids
+        loss = torch.zeros((), dtype=torch.float64)
+        for i, (bridge, x, cot) in enumerate(zip(bridges, xs, cots)):
+            y = bridge(x)
+            if y is not None:
+                ys[i] = y
+                loss = loss + (y * cot).sum()
+        return loss, ys
+
+    if mode == "func":
+        grad = torch.func.grad_and_value(loss_fn, has_aux=True)
+
+        def step(xs, cots):
+            grads, (loss, ys) = grad(xs, cots)
+            return loss, ys, grads
+        return step
+    return loss_fn
+
+
+def _inputs(rank: int, cases, step: int, mode: str):
+    xs, cots, want_y, want_g = [], [], [], []
+    for index, case in enumerate(cases):
+        x, g = _data(case, index, step)
+        local = shard(x, case.src).get(rank)
+        if local is None and mode == "func":
+            local = torch.empty((0,) * len(case.src.groups), dtype=torch.float64)
+        elif local is not None and mode == "backward":
+            local = local.clone().requires_grad_()
+        cot = shard(g, star(case.dst)).get(rank)
+        if cot is None:
+            cot = torch.zeros((0,) * len(case.dst.groups), dtype=torch.float64)
+        g_src = g.permute([case.dst.dims.index(d) for d in case.src.dims])
+        xs.append(local)
+        cots.append(cot)
+        want_y.append(expected_output(case, x).get(rank))
+        want_g.append(shard(g_src, star(case.src)).get(rank))
+    return xs, cots, want_y, want_g
+
+
+def _compare(case: Case, got, want, what: str) -> str | None:
+    if want is None:
+        return None if got is None or got.numel() == 0 else f"{what}: got {tuple(got.shape)}"
+    if got is None:
+        return f"{what}: got nothing"
+    exact = not case.src.partial and not case.dst.partial
+    same = torch.equal(got, want) if exact else torch.allclose(got, want)
+    return None if same else f"{what} differs from the oracle"
+
+
+def _world(rank: int, world: int, names: list[str], backends: tuple[str, ...]) -> dict:
+    import torch._dynamo as dynamo
+
+    from mimo_fx.compiled import Redistributor, trace
+
+    cases = [c for c in CASES if c.name in names]
+    bridges = [Redistributor(c.src, c.dst, c.sizes, torch.float64) for c in cases]
+    out = {}
+    for backend in backends:
+        for mode in MODES:
+            dynamo.reset()
+            step = _step_fn(bridges, mode)
+            if backend != "eager":
+                step = torch.compile(step, backend=backend, fullgraph=True)
+            for s in range(STEPS):
+                xs, cots, want_y, want_g = _inputs(rank, cases, s, mode)
+                start = trace.mark()
+                if mode == "func":
+                    _, ys, grads = step(xs, cots)
+                else:
+                    loss, ys = step(xs, cots)
+                    loss.backward()
+                    grads = [None if x is None else x.grad for x in xs]
+                calls = trace.since(start)
+                problems = []
+                for i, (case, x, g, wy, wg) in enumerate(zip(cases, xs, grads, want_y, want_g)):
+                    y = ys.get(i)
+                    problems.append(_compare(case, None if y is None else y.detach(), wy,
+                                             f"{case.name}: output"))
+                    if x is not None and x.numel():
+                        problems.append(_compare(case, g, wg, f"{case.name}: input gradient"))
+                out[backend, mode, s] = {
+                    "calls": [(c.kind, c.ranks, c.numel_in) for c in calls],
+                    "problems": [p for p in problems if p]}
+    expected = sum(expected_calls(b.fwd, rank) + expected_calls(b.bwd, rank) for b in bridges)
+    for bridge in bridges:
+        bridge.destroy()
+    return {"runs": out, "expected": expected}
+
+
+@pytest.fixture(scope="module")
+def world_runs():
+    return run_world(WORLD, _world, [c.name for c in SAMPLE], BACKENDS, record=True,
+                     timeout=900)
+
+
+def _runs(world_runs, backend, mode):
+    return [(s, [r["runs"][backend, mode, s] for r in world_runs]) for s in range(STEPS)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_values_and_gradients_equal_the_oracle(world_runs, backend, mode):
+    for step, per_rank in _runs(world_runs, backend, mode):
+        problems = {r: run["problems"] for r, run in enumerate(per_rank) if run["problems"]}
+        assert not problems, f"step {step}: {problems}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_rank_issues_the_plans_collectives(world_runs, backend, mode):
+    for step, per_rank in _runs(world_runs, backend, mode):
+        counts = [len(run["calls"]) for run in per_rank]
+        expected = [r["expected"] for r in world_runs]
+        assert counts == expected, f"step {step}: collectives per rank {counts}, plans " \
+                                   f"say {expected}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_members_issue_the_same_sequence(world_runs, backend, mode):
+    for step, per_rank in _runs(world_runs, backend, mode):
+        seen: dict[tuple[int, ...], dict[int, list]] = defaultdict(dict)
+        for rank, run in enumerate(per_rank):
+            for kind, ranks, numel in run["calls"]:
+                # all-to-all sizes differ per member by design; the others must agree
+                size = None if kind == "all_to_all" else numel
+                seen[tuple(ranks)].setdefault(rank, []).append((kind, size))
+        for ranks, by_rank in seen.items():
+            assert set(by_rank) == set(ranks), \
+                f"step {step}: group {ranks}: only ranks {sorted(by_rank)} issued on it"
+            sequences = {tuple(seq) for seq in by_rank.values()}
+            assert len(sequences) == 1, f"step {step}: group {ranks} desyncs: {by_rank}"
