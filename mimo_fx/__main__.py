@@ -15,6 +15,7 @@ Malformed input prints ``error: ...`` on stderr and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import torch
@@ -46,24 +47,38 @@ def _names(text: str | None) -> tuple[str, ...]:
     return tuple(filter(None, (p.strip() for p in (text or "").split(","))))
 
 
+def _zigzag(text: str | None, grid: Grid, pattern: str) -> tuple[str, ...]:
+    if text != AUTO:
+        return () if text in (None, "none") else _names(text)
+    # auto: cp zigzag when the layout cuts a dim over cp, as Megatron's CP does
+    return ("cp",) if "cp" in grid.names and "cp" in re.findall(r"\w+", pattern) else ()
+
+
 def _layout(args, side: str) -> Layout:
     grid = Grid(**_pairs(getattr(args, f"{side}_grid"), f"--{side}-grid"))
     at = _pairs(getattr(args, f"{side}_at") or "", f"--{side}-at") or None
-    return Layout(grid, getattr(args, side), partial=_names(getattr(args, f"{side}_partial")),
-                  at=at, zigzag=_names(getattr(args, f"{side}_zigzag")))
+    pattern = getattr(args, side)
+    return Layout(grid, pattern, partial=_names(getattr(args, f"{side}_partial")),
+                  at=at, zigzag=_zigzag(getattr(args, f"{side}_zigzag"), grid, pattern))
+
+
+AUTO = "auto"
 
 
 def _add_layout_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--src-grid", default="tp=2,dp=4", help="e.g. tp=2,dp=4[,offset=0]")
+    p.add_argument("--src-grid", default="tp=2,dp=4", help="axis=size pairs[,offset=N]")
     p.add_argument("--src", default="(dp b) s h", help="src pattern")
     p.add_argument("--src-partial", help="comma-separated partial axes of src")
-    p.add_argument("--src-at", help="pin src, e.g. pp=-1")
-    p.add_argument("--src-zigzag", help="zigzag axes of src")
-    p.add_argument("--dst-grid", default="tp=2,cp=2,dp=2")
-    p.add_argument("--dst", default="(dp b) (cp s) h")
-    p.add_argument("--dst-partial")
-    p.add_argument("--dst-at")
-    p.add_argument("--dst-zigzag", default="cp")
+    p.add_argument("--src-at", help="pin src to a slice of its grid, e.g. pp=-1")
+    p.add_argument("--src-zigzag", default=None,
+                   help=f"zigzag axes of src, '{AUTO}' for cp when src cuts a dim over cp")
+    p.add_argument("--dst-grid", default="tp=2,cp=2,dp=2", help="axis=size pairs[,offset=N]")
+    p.add_argument("--dst", default="(dp b) (cp s) h", help="dst pattern")
+    p.add_argument("--dst-partial", help="comma-separated partial axes of dst")
+    p.add_argument("--dst-at", help="pin dst to a slice of its grid, e.g. pp=0")
+    p.add_argument("--dst-zigzag", default=AUTO,
+                   help=f"zigzag axes of dst ('none' for none); '{AUTO}': cp when dst cuts "
+                        f"a dim over cp")
     p.add_argument("--sizes", default="b=8,s=4096,h=4096", help="global dim sizes")
     p.add_argument("--dtype", default="bfloat16", help="torch dtype name")
 
@@ -72,11 +87,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mimo_fx",
                                      description="Plans of mimo_fx redistributions.")
     sub = parser.add_subparsers(dest="command", required=True)
+    formatter = argparse.ArgumentDefaultsHelpFormatter
     _add_layout_options(sub.add_parser(
-        "plan", help="print the plan of one bridge, step by step and per rank"))
+        "plan", formatter_class=formatter,
+        help="print the plan of one bridge, step by step and per rank"))
     explain_parser = sub.add_parser(
-        "explain", help="who sends what to whom: holdings, transfer matrix, pieces, bytes "
-                        "vs the lower bound; --png draws it")
+        "explain", formatter_class=formatter,
+        help="who sends what to whom: holdings, transfer matrix, pieces, bytes vs the lower "
+             "bound; --png draws it")
     _add_layout_options(explain_parser)
     explain_parser.add_argument("--png", metavar="FILE",
                                 help="also draw the grids and the transfer matrix "

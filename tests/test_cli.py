@@ -39,3 +39,17 @@ def test_pipelined_pair_on_disjoint_grids(capsys):
 def test_errors_exit_2_with_message(args, message, capsys):
     assert main(["plan", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_dst_zigzag_defaults_to_cp_only_where_dst_cuts_over_cp(capsys):
+    assert main(["plan", "--dst-grid", "tp=2,dp=2", "--dst", "(dp b) s (tp h)"]) == 0
+    assert "zigzag" not in capsys.readouterr().out
+    assert main(["plan", "--dst-zigzag", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "(dp b) (cp s) h on Grid(tp=2, cp=2, dp=2)" in out and "zigzag" not in out
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "(default: tp=2,cp=2,dp=2)" in capsys.readouterr().out
