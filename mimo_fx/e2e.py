@@ -59,6 +59,7 @@ class Run:
     backend: str = "aot_eager"  # "eager", or a torch.compile backend
     lr: float = 0.1
     cfg: ToyConfig = ToyConfig()
+    progress: bool = False  # rank 0 prints a line per phase and per step
 
 
 def _data(cfg: ToyConfig, step: int):
@@ -86,6 +87,8 @@ def _train(rank: int, run: Run) -> dict:
     if mimo.world_size != dist.get_world_size():
         raise MimoFxError(f"variant {run.variant!r} needs {mimo.world_size} ranks, the world "
                           f"has {dist.get_world_size()}")
+    say = print if run.progress and rank == 0 else (lambda *a, **k: None)
+    say(f"[{run.variant}] preparing bridges (eager warm-up step)", flush=True)
     grids = mimo.grids()
     model = ToyMimo(run.cfg, grids["enc"], grids["llm"])
     layouts = model.param_layouts
@@ -127,10 +130,12 @@ def _train(rank: int, run: Run) -> dict:
     if run.backend != "eager":
         torch._dynamo.reset()
         step_fn = torch.compile(grad_step, backend=run.backend, fullgraph=True)
+        say(f"[{run.variant}] compiling the step with {run.backend}", flush=True)
         dist.barrier()
         start = time.perf_counter()
         step_grads(step_fn, *pieces(*_data(run.cfg, 0)))
         compile_s = time.perf_counter() - start
+        say(f"[{run.variant}] compiled in {compile_s:.1f} s", flush=True)
 
     rows = []
     for step in range(1, run.steps + 1):
@@ -153,6 +158,8 @@ def _train(rank: int, run: Run) -> dict:
         worst, bytes_max, seconds = _allreduce([grad_diff, step_bytes, elapsed],
                                                dist.ReduceOp.MAX)
         total_bytes, = _allreduce([step_bytes], dist.ReduceOp.SUM)
+        say(f"[{run.variant}] step {step}/{run.steps}: loss {loss_sum:.6f} (undistributed "
+            f"{float(ref_loss):.6f}), {seconds * 1e3:.1f} ms", flush=True)
         rows.append({"step": step, "loss": loss_sum, "ref_loss": float(ref_loss.detach()),
                      "grad_diff": worst, "bytes_max": bytes_max, "bytes_total": total_bytes,
                      "seconds": seconds})
@@ -216,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     from .launch import run_world
 
     variants = args.variant or ["colocated", "pipelined"]
-    runs = [Run(v, steps=args.steps, backend=args.backend) for v in variants]
+    runs = [Run(v, steps=args.steps, backend=args.backend, progress=True) for v in variants]
     print(f"training the toy MIMO model on 8 gloo processes: {', '.join(variants)}; "
           f"{args.steps} steps, backend {args.backend} ...", flush=True)
     start = time.perf_counter()
