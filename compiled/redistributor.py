@@ -10,6 +10,8 @@ so it traces under ``torch.compile(fullgraph=True)``.
 
 from __future__ import annotations
 
+import logging
+import os
 import warnings
 
 import torch
@@ -19,7 +21,7 @@ from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
 from mimo_fx.local import local_shape
 from mimo_fx.op import apply
-from mimo_fx.plan import backward_plan, plan
+from mimo_fx.plan import backward_plan, format_bytes, plan
 from mimo_fx.regions import Tiling
 
 from . import lowering
@@ -29,6 +31,8 @@ from .groups import CHECK, acquire, check_timeout, check_world, group_name, rele
 from .guard import HEADER_LEN, MAGIC, OK, Expect, Header, fingerprint, inspect, problem_text
 
 __all__ = ["Redistributor"]
+
+LOG = logging.getLogger("mimo_fx")
 
 
 def _default_device() -> torch.device:
@@ -107,6 +111,8 @@ class Redistributor:
         key = (src, dst, sorted(self.sizes.items()), str(dtype), tuple(grad_partial),
                str(comm_dtype))
         self._prints = {"src": fingerprint("forward", *key), "dst": fingerprint("backward", *key)}
+        self._label = f"mimo_fx.redistribute {src.describe()} -> {dst.describe()}"
+        _log_plans(self)
 
     def _expect(self, side: str, rank: int) -> Expect:
         layout = self.src if side == "src" else self.dst
@@ -171,6 +177,12 @@ class Redistributor:
         self._assert_live()
         if not self.involved:
             return None
+        if torch.compiler.is_compiling():
+            return self._call(x)
+        with torch.profiler.record_function(self._label):  # a labelled span in traces
+            return self._call(x)
+
+    def _call(self, x: torch.Tensor | None) -> torch.Tensor | None:
         self._guard(x, "src")
         if x is None:
             x = self._no_src
@@ -207,6 +219,31 @@ class Redistributor:
             release(self._groups)
             release(self._check_groups, CHECK)
             self._live = False
+
+
+def _log_plans(bridge: Redistributor) -> None:
+    """With ``MIMO_FX_DEBUG=1`` (or the ``mimo_fx`` logger at DEBUG), log this rank's
+    collectives and bytes of each plan once, when the bridge is built."""
+    if os.environ.get("MIMO_FX_DEBUG", "0") not in ("", "0"):
+        _debug_logging()
+    if not LOG.isEnabledFor(logging.DEBUG):
+        return
+    rank = bridge.rank
+    for what, p, program in (("forward", bridge.fwd, bridge._fwd_program),
+                             ("backward", bridge.bwd, bridge._bwd_program)):
+        calls = ", ".join(f"{op.kind} over {len(op.ranks)} ranks"
+                          for op in program.ops) or "no collective"
+        LOG.debug("rank %d: %s %s: %s; sends %s, receives %s", rank, bridge._label, what,
+                  calls, format_bytes(p.bytes_sent.get(rank, 0)),
+                  format_bytes(p.bytes_recv.get(rank, 0)))
+
+
+def _debug_logging() -> None:
+    if not LOG.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        LOG.addHandler(handler)
+    LOG.setLevel(logging.DEBUG)
 
 
 def _described(x):

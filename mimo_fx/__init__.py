@@ -4,14 +4,22 @@
 patterns over :class:`Grid` s of ranks); ``plan(src, dst, sizes)`` shows how.
 """
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
 from .errors import MimoFxError
 from .grid import Grid
 from .layout import Layout
 from .op import redistribute
 from .plan import Collective, Plan, backward_plan, plan
 
-__all__ = ["Collective", "Grid", "Layout", "MimoFxError", "Plan", "backward_plan", "plan",
-           "redistribute"]
+try:
+    __version__ = _version("mimo-fx")
+except PackageNotFoundError:  # run from a source tree that is not installed
+    __version__ = "0+unknown"
+
+__all__ = ["__version__", "Collective", "Grid", "Layout", "MimoFxError", "Plan",
+           "backward_plan", "plan", "redistribute"]
 
 _SUBPACKAGES = ("compiled", "reference", "dtensor")
 
