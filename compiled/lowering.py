@@ -320,65 +320,77 @@ def lower(plan: Plan, rank: int) -> Program:
 
 
 def _lower_step(step, rank: int, res: _Resolver) -> Op | None:
-    if isinstance(step, Exchange):
-        if rank not in step.ranks:
-            return None
-        send: dict[int, list[Box]] = {}
-        recv: dict[int, list[Box]] = {}
-        for t in step.transfers:
-            if t.src == rank:
-                send.setdefault(t.dst, []).append(t.box)
-            if t.dst == rank:
-                recv.setdefault(t.src, []).append(t.box)
-        out_parts = [coalesce(recv.get(r, ())) for r in step.ranks]
-        send_blocks = [b for r in step.ranks for b in coalesce(send.get(r, ()))]
-        pack, stack, numel = _pack(res, send_blocks)
-        blocks, unpack = _unpack(*_laid_out(out_parts))
-        op = Op("all_to_all", step.ranks, tuple(pack), stack, tuple(unpack), numel,
-                tuple(sum(map(box_volume, send.get(r, ()))) for r in step.ranks),
-                tuple(sum(map(box_volume, recv.get(r, ()))) for r in step.ranks))
-        res.new(blocks)
-        return op
+    return _LOWER[type(step)](step, rank, res)
+
+
+def _lower_exchange(step: Exchange, rank: int, res: _Resolver) -> Op | None:
+    if rank not in step.ranks:
+        return None
+    send: dict[int, list[Box]] = {}
+    recv: dict[int, list[Box]] = {}
+    for t in step.transfers:
+        if t.src == rank:
+            send.setdefault(t.dst, []).append(t.box)
+        if t.dst == rank:
+            recv.setdefault(t.src, []).append(t.box)
+    out_parts = [coalesce(recv.get(r, ())) for r in step.ranks]
+    send_blocks = [b for r in step.ranks for b in coalesce(send.get(r, ()))]
+    pack, stack, numel = _pack(res, send_blocks)
+    blocks, unpack = _unpack(*_laid_out(out_parts))
+    op = Op("all_to_all", step.ranks, tuple(pack), stack, tuple(unpack), numel,
+            tuple(sum(map(box_volume, send.get(r, ()))) for r in step.ranks),
+            tuple(sum(map(box_volume, recv.get(r, ()))) for r in step.ranks))
+    res.new(blocks)
+    return op
+
+
+def _lower_gather(step: Gather, rank: int, res: _Resolver) -> Op | None:
     g = _member(step.groups, rank)
     if g is None:
-        if isinstance(step, Reduce):
-            res.new([], replace_all=True)
         return None
     ranks, parts = step.groups[g], step.parts[g]
-    me = ranks.index(rank)
     chunk = max(sum(map(box_volume, part)) for part in parts)
-    if isinstance(step, Gather):
-        if chunk == 0 or len(ranks) == 1:
-            return None
-        pack, stack, numel = _pack(res, coalesce(parts[me]), chunk)
-        blocks, unpack = _unpack(*_laid_out([coalesce(p) for p in parts], chunk))
-        op = Op("all_gather", ranks, tuple(pack), stack, tuple(unpack), numel)
-        res.new(blocks)
-        return op
-    if step.kind is Collective.ALL_REDUCE:
-        if len(ranks) == 1:
-            return None
-        if chunk == 0:  # the whole group holds an empty region: nothing to reduce
-            res.new([], replace_all=True)
-            return None
+    if chunk == 0 or len(ranks) == 1:
+        return None
+    pack, stack, numel = _pack(res, coalesce(parts[ranks.index(rank)]), chunk)
+    blocks, unpack = _unpack(*_laid_out([coalesce(p) for p in parts], chunk))
+    op = Op("all_gather", ranks, tuple(pack), stack, tuple(unpack), numel)
+    res.new(blocks)
+    return op
+
+
+def _lower_reduce(step: Reduce, rank: int, res: _Resolver) -> Op | None:
+    """A reduce-scatter, or an all-reduce (a reduce-scatter fused with its all-gather).
+    A rank outside the groups keeps nothing partial: its holdings are replaced by none."""
+    g = _member(step.groups, rank)
+    if g is None:
+        res.new([], replace_all=True)
+        return None
+    ranks, parts = step.groups[g], step.parts[g]
+    chunk = max(sum(map(box_volume, part)) for part in parts)
+    all_reduce = step.kind is Collective.ALL_REDUCE
+    if len(ranks) == 1 and (all_reduce or chunk):
+        return None  # nothing to sum with
+    if chunk == 0:  # the whole group holds an empty region: nothing to reduce
+        res.new([], replace_all=True)
+        return None
+    if all_reduce:
         region = coalesce(step.regions[g])
         pack, stack, numel = _pack(res, region)
         blocks, unpack = _unpack(*_laid_out([region]))
         op = Op("all_reduce", ranks, tuple(pack), stack, tuple(unpack), numel)
         res.new(blocks, replace_all=True)
         return op
-    if chunk == 0:
-        res.new([], replace_all=True)
-        return None
-    if len(ranks) == 1:
-        return None
     pack, numel = [], 0
     for part in parts:
         items, _, n = _pack(res, coalesce(part), chunk)
         pack += items
         numel += n
-    mine = coalesce(parts[me])
-    blocks, unpack = _unpack(*_laid_out([mine]))
+    blocks, unpack = _unpack(*_laid_out([coalesce(parts[ranks.index(rank)])]))
     op = Op("reduce_scatter", ranks, tuple(pack), False, tuple(unpack), numel)
     res.new(blocks, replace_all=True)
     return op
+
+
+# one lowering function per step class
+_LOWER = {Exchange: _lower_exchange, Gather: _lower_gather, Reduce: _lower_reduce}

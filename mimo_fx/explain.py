@@ -29,8 +29,8 @@ from tabulate import tabulate
 
 from .errors import MimoFxError
 from .grid import Grid
-from .plan import Collective, Exchange, Plan, Reduce, Step, format_bytes
-from .regions import Box, Tiling, box_volume
+from .plan import Exchange, Plan, Step, format_bytes
+from .regions import Box, Tiling
 
 __all__ = ["step_matrix", "transfer_matrix", "explain", "rank_table", "draw_png"]
 
@@ -44,23 +44,9 @@ PNG_MATRIX_CELLS = 512  # above this many ranks the heat map shows blocks of ran
 def step_matrix(p: Plan, step: Step) -> dict[tuple[int, int], int]:
     """``{(sender, receiver): bytes}`` of one step of ``p`` (logical traffic)."""
     out: dict[tuple[int, int], int] = defaultdict(int)
-    if isinstance(step, Exchange):
-        for t in step.transfers:
-            out[t.src, t.dst] += box_volume(t.box) * p.itemsize
-        return dict(out)
-    reduce = isinstance(step, Reduce)
-    gather = not reduce or step.kind is Collective.ALL_REDUCE
-    for ranks, parts in zip(step.groups, step.parts):
-        vols = [sum(map(box_volume, part)) * p.itemsize for part in parts]
-        for i, sender in enumerate(ranks):
-            for j, receiver in enumerate(ranks):
-                if i == j:
-                    continue
-                if reduce:  # partial sums of the receiver's share
-                    out[sender, receiver] += vols[j]
-                if gather:  # the sender's (reduced) share
-                    out[sender, receiver] += vols[i]
-    return {k: v for k, v in out.items() if v}
+    for sender, receiver, n in step.pairs():
+        out[sender, receiver] += n * p.itemsize
+    return dict(out)
 
 
 def transfer_matrix(p: Plan) -> dict[tuple[int, int], int]:

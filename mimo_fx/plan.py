@@ -69,18 +69,71 @@ class Transfer:
     box: Box
 
 
+def _shared_traffic(step, reduce: bool, gather: bool):
+    """Per-rank ``(sent, received)`` elements of a step over groups: a reduce-scatter
+    member receives every other member's partials of its share and sends its partials
+    of the others' shares; an all-gather member receives every other share and sends
+    its own to each other member; an all-reduce is both."""
+    for g, ranks in enumerate(step.groups):
+        vols = [sum(map(box_volume, part)) for part in step.parts[g]]
+        k, total = len(ranks), sum(vols)
+        for rank, vol in zip(ranks, vols):
+            sent = recv = 0
+            if reduce:
+                recv += (k - 1) * vol
+                sent += total - vol
+            if gather:
+                recv += total - vol
+                sent += (k - 1) * vol
+            yield rank, sent, recv
+
+
+def _shared_pairs(step, reduce: bool, gather: bool):
+    """``(sender, receiver, elements)`` of a step over groups (see :func:`_shared_traffic`)."""
+    for ranks, parts in zip(step.groups, step.parts):
+        vols = [sum(map(box_volume, part)) for part in parts]
+        for i, sender in enumerate(ranks):
+            for j, receiver in enumerate(ranks):
+                n = (vols[j] if reduce else 0) + (vols[i] if gather else 0)
+                if i != j and n:
+                    yield sender, receiver, n
+
+
 @dataclass(frozen=True)
 class Reduce:
     """Sum partial values inside each group.
 
     ``regions[g]`` is the group's common region; member ``i`` of ``groups[g]`` keeps
-    ``parts[g][i]`` (reduce-scatter) or the whole region (all-reduce).
+    ``parts[g][i]`` (reduce-scatter) or the whole region (all-reduce, whose traffic is a
+    reduce-scatter's plus an all-gather's).
     """
 
     kind: Collective
     groups: tuple[tuple[int, ...], ...]
     regions: tuple[tuple[Box, ...], ...]
     parts: tuple[tuple[tuple[Box, ...], ...], ...]
+
+    @property
+    def rank_groups(self) -> tuple[tuple[int, ...], ...]:
+        return self.groups
+
+    def traffic(self):
+        """``(rank, elements sent, elements received)`` per member."""
+        return _shared_traffic(self, True, self.kind is Collective.ALL_REDUCE)
+
+    def pairs(self):
+        """``(sender, receiver, elements)`` per pair that exchanges anything."""
+        return _shared_pairs(self, True, self.kind is Collective.ALL_REDUCE)
+
+    def reduction_bound(self):
+        """``(rank, elements)``: the bandwidth-optimal volume of this reduction per member
+        (a reduce-scatter of a region R over k ranks receives (k-1)/k of R; an all-reduce
+        twice that)."""
+        factor = 2 if self.kind is Collective.ALL_REDUCE else 1
+        for ranks, region in zip(self.groups, self.regions):
+            k, volume = len(ranks), sum(map(box_volume, region))
+            for rank in ranks:
+                yield rank, factor * -(-(k - 1) * volume // k)
 
 
 @dataclass(frozen=True)
@@ -92,6 +145,19 @@ class Gather:
 
     kind = Collective.ALL_GATHER
 
+    @property
+    def rank_groups(self) -> tuple[tuple[int, ...], ...]:
+        return self.groups
+
+    def traffic(self):
+        return _shared_traffic(self, False, True)
+
+    def pairs(self):
+        return _shared_pairs(self, False, True)
+
+    def reduction_bound(self):
+        return iter(())
+
 
 @dataclass(frozen=True)
 class Exchange:
@@ -101,6 +167,27 @@ class Exchange:
     ranks: tuple[int, ...]
 
     kind = Collective.ALL_TO_ALL
+
+    @property
+    def rank_groups(self) -> tuple[tuple[int, ...], ...]:
+        return (self.ranks,)
+
+    def traffic(self):
+        sent: dict[int, int] = defaultdict(int)
+        recv: dict[int, int] = defaultdict(int)
+        for t in self.transfers:
+            n = box_volume(t.box)
+            sent[t.src] += n
+            recv[t.dst] += n
+        for rank in sent.keys() | recv.keys():
+            yield rank, sent[rank], recv[rank]
+
+    def pairs(self):
+        for t in self.transfers:
+            yield t.src, t.dst, box_volume(t.box)
+
+    def reduction_bound(self):
+        return iter(())
 
 
 Step = Reduce | Gather | Exchange
@@ -130,28 +217,12 @@ class Plan:
         sent: dict[int, int] = defaultdict(int)
         recv: dict[int, int] = defaultdict(int)
         for step in self.steps:
-            if isinstance(step, Exchange):
-                for t in step.transfers:
-                    n = box_volume(t.box)
-                    sent[t.src] += n
-                    recv[t.dst] += n
-                continue
-            for g, ranks in enumerate(step.groups):
-                vols = [sum(map(box_volume, part)) for part in step.parts[g]]
-                k, total = len(ranks), sum(vols)
-                reduce = isinstance(step, Reduce)
-                region = sum(map(box_volume, step.regions[g])) if reduce else 0
-                gather = not reduce or step.kind is Collective.ALL_REDUCE
-                for rank, vol in zip(ranks, vols):
-                    if reduce:  # reduce-scatter: receive k-1 partials of my share
-                        recv[rank] += (k - 1) * vol
-                        sent[rank] += region - vol
-                    if gather:  # all-gather (an all-reduce's second half)
-                        recv[rank] += total - vol
-                        sent[rank] += (k - 1) * vol
+            for rank, n_sent, n_recv in step.traffic():
+                sent[rank] += n_sent
+                recv[rank] += n_recv
         b = self.itemsize
-        return ({r: v * b for r, v in sorted(sent.items())},
-                {r: v * b for r, v in sorted(recv.items())})
+        return ({r: v * b for r, v in sorted(sent.items()) if v},
+                {r: v * b for r, v in sorted(recv.items()) if v})
 
     @property
     def bytes_sent(self) -> dict[int, int]:
@@ -205,13 +276,8 @@ class Plan:
         """
         out: dict[int, int] = defaultdict(int)
         for step in self.steps:
-            if isinstance(step, Reduce):
-                factor = 2 if step.kind is Collective.ALL_REDUCE else 1
-                for g, ranks in enumerate(step.groups):
-                    region = sum(map(box_volume, step.regions[g]))
-                    k = len(ranks)
-                    for rank in ranks:
-                        out[rank] += factor * -(-(k - 1) * region // k) * self.itemsize
+            for rank, n in step.reduction_bound():
+                out[rank] += n * self.itemsize
         return dict(out)
 
     @cached_property
@@ -219,16 +285,13 @@ class Plan:
         """The groups of ranks (two or more) its steps run on, in issue order."""
         out: list[tuple[int, ...]] = []
         for step in self.steps:
-            groups = (step.ranks,) if isinstance(step, Exchange) else step.groups
-            out.extend(g for g in groups if len(g) > 1 and g not in out)
+            out.extend(g for g in step.rank_groups if len(g) > 1 and g not in out)
         return tuple(out)
 
     @property
     def collectives(self) -> tuple[tuple[Collective, int], ...]:
         """``(kind, number of groups)`` per step, in issue order."""
-        return tuple(
-            (s.kind, 1 if isinstance(s, Exchange) else len(s.groups)) for s in self.steps
-        )
+        return tuple((s.kind, len(s.rank_groups)) for s in self.steps)
 
     # -- printing ------------------------------------------------------------------------
     def describe_box(self, box: Box) -> str:

@@ -23,7 +23,6 @@ from mimo_fx.local import (
     take,
     to_canonical,
 )
-from mimo_fx.op import apply
 from mimo_fx.plan import (
     Collective,
     Exchange,
@@ -35,6 +34,7 @@ from mimo_fx.plan import (
     size_arguments,
 )
 from mimo_fx.regions import Tiling
+from mimo_fx.vjp import apply
 
 __all__ = ["ReferenceExecutor", "redistribute"]
 
@@ -49,13 +49,9 @@ class ReferenceExecutor:
             segments = src_tiling.segments(rank)
             stores[rank] = [(box, canon[box_slices(segments, box)])
                             for box in product(*segments)]
-        for step in plan.steps:
-            if isinstance(step, Reduce):
-                self._reduce(step, stores)
-            elif isinstance(step, Gather):
-                self._gather(step, stores)
-            else:
-                self._exchange(step, stores)
+        run = {Reduce: self._reduce, Gather: self._gather, Exchange: self._exchange}
+        for step in plan.steps:  # one method per step class
+            run[type(step)](step, stores)
         dtype = tensors[0].dtype
         return tuple(self._assemble(plan, rank, stores.get(rank, []), dtype)
                      for rank in plan.dst.holders)
