@@ -20,9 +20,9 @@ import torch.distributed as dist
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
 from mimo_fx.local import local_shape
-from mimo_fx.op import apply
 from mimo_fx.plan import backward_plan, format_bytes, plan
 from mimo_fx.regions import Tiling
+from mimo_fx.vjp import apply
 
 from . import lowering
 from .comm import FunctionalComm

@@ -25,9 +25,12 @@ _SUBPACKAGES = ("compiled", "reference", "dtensor")
 
 
 def __getattr__(name: str):
-    """``mimo_fx.compiled`` and the other backends, imported on first use."""
-    if name in _SUBPACKAGES:
-        import importlib
+    """``mimo_fx.compiled``, the other backends and ``redistribute_dtensor``, imported on
+    first use."""
+    import importlib
 
+    if name in _SUBPACKAGES:
         return importlib.import_module(f"{__name__}.{name}")
+    if name == "redistribute_dtensor":  # DTensor's entry point, imported on first use
+        return importlib.import_module(f"{__name__}.dtensor").redistribute_dtensor
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

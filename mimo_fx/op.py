@@ -1,58 +1,27 @@
-"""The op: ``redistribute`` as a custom vjp shared by every backend.
+"""The facade: ``mimo_fx.redistribute`` picks the backend from what it is given.
 
-The forward runs ``plan(src, dst)``; the backward runs the adjoint plan
-``plan(dst*, src*)`` (see :func:`mimo_fx.plan.backward_plan`) under ``torch.no_grad()``,
-so no collective's own autograd adds to the gradient and ``torch.func.grad`` /
-``torch.func.vjp`` compose with it. An *executor* runs a plan on a tuple of local
-tensors; the reference backend passes every rank's piece, the compiled backend one.
+A dict ``{rank: tensor}`` runs the reference backend for every rank in this process; a
+tensor (or None) runs the compiled backend for this rank. DTensors have their own entry
+point, :func:`mimo_fx.dtensor.redistribute_dtensor` (a mesh and placements, not layouts).
+The backends never import this module (they share :mod:`mimo_fx.vjp`).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import Protocol
 
 import torch
 
 from .errors import MimoFxError
 
-__all__ = ["Executor", "apply", "redistribute", "is_dtensor"]
+__all__ = ["redistribute", "is_dtensor"]
 
 
 def is_dtensor(x) -> bool:
     """Whether ``x`` is a DTensor (without importing DTensor if nobody has)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(x, module.DTensor)
-
-
-class Executor(Protocol):
-    """Runs a plan, or its lowered form, on local tensors (one per src holder it serves)."""
-
-    def run(self, plan, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        ...
-
-
-class _Redistribute(torch.autograd.Function):
-    @staticmethod
-    def forward(executor, fwd, bwd, *tensors):
-        return tuple(executor.run(fwd, tensors))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.executor, ctx.bwd = inputs[0], inputs[2]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        with torch.no_grad():
-            out = ctx.executor.run(ctx.bwd, tuple(g.contiguous() for g in grads))
-        return (None, None, None, *out)
-
-
-def apply(executor: Executor, fwd, bwd, tensors) -> tuple[torch.Tensor, ...]:
-    """Run ``fwd`` through the custom vjp whose backward runs ``bwd`` (plans or their
-    lowered per-rank programs, whatever the executor runs)."""
-    return _Redistribute.apply(executor, fwd, bwd, *tensors)
 
 
 def redistribute(x, src, dst, *, sizes=None, grad_partial=(), comm_dtype=None,
@@ -63,9 +32,8 @@ def redistribute(x, src, dst, *, sizes=None, grad_partial=(), comm_dtype=None,
     inside an initialised process group -- the compiled backend, see
     :mod:`mimo_fx.compiled` -- or a dict ``{rank: local tensor}`` holding every src
     rank's piece, which the reference backend runs for the whole world in this process,
-    returning a dict for the dst ranks. A DTensor is moved to another mesh:
-    ``redistribute(dtensor, dst_mesh, dst_placements)`` returns a DTensor on
-    ``dst_mesh`` (see :func:`mimo_fx.dtensor.redistribute_dtensor`).
+    returning a dict for the dst ranks. (A DTensor goes to
+    :func:`mimo_fx.dtensor.redistribute_dtensor` instead.)
 
     Global dim sizes the local shapes cannot tell are size keywords (``b=30``) or
     ``sizes={"b": 30}`` (for a dim named like an option); any other keyword raises.
@@ -96,13 +64,8 @@ def redistribute(x, src, dst, *, sizes=None, grad_partial=(), comm_dtype=None,
         return reference_redistribute(x, src, dst, sizes=sizes, grad_partial=grad_partial,
                                       **dim_sizes)
     if is_dtensor(x):
-        from .dtensor import redistribute_dtensor
-
-        if sizes is not None or dim_sizes or dtype is not None:
-            raise MimoFxError("redistribute(dtensor, dst_mesh, dst_placements) takes its "
-                              "sizes and dtype from the DTensor; pass no sizes or dtype")
-        return redistribute_dtensor(x, src, dst, grad_partial=grad_partial,
-                                    comm_dtype=comm_dtype, checked=checked)
+        raise MimoFxError("redistribute takes layouts; to move a DTensor to another mesh "
+                          "call mimo_fx.redistribute_dtensor(x, dst_mesh, dst_placements)")
     if x is not None and not isinstance(x, torch.Tensor):
         raise MimoFxError(f"redistribute takes a tensor, None, or a dict {{rank: tensor}}; "
                           f"got {type(x).__name__}")

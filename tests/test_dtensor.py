@@ -3,7 +3,7 @@
 Single-process tests check the conversions (against DTensor's own shard-size function
 and the shared layout table) and every error. One spawned 8-rank gloo world runs the
 cross-mesh scenarios: each builds its source DTensor with DTensor's own sharding, moves it
-with ``mimo_fx.redistribute(dtensor, dst_mesh, dst_placements)`` and compares values and
+with ``mimo_fx.redistribute_dtensor(dtensor, dst_mesh, dst_placements)`` and compares values and
 gradients with full-tensor math and with DTensor's own sharding of the expected tensors.
 """
 
@@ -314,7 +314,8 @@ SCENARIOS["disjoint_checked"] = SCENARIOS["disjoint_replicated_to_nested"]
 COMPILED = ("compiled_overlap_partial",)
 SCENARIOS[COMPILED[0]] = (([[0, 1], [2, 3]], ("a", "b")), (S0, P),
                           ([2, 3, 4, 5], ("e",)), (S1,), (6, 9))
-ERRORS = ("error_partial_dst_other_mesh", "error_avg_partial", "error_unprepared_compile")
+ERRORS = ("error_partial_dst_other_mesh", "error_avg_partial", "error_unprepared_compile",
+          "error_dtensor_to_layout_facade")
 
 
 def _placement(p):
@@ -383,11 +384,11 @@ def _check(rank, meshes, name, compiled: bool = False) -> list[str]:
         problems.append("test setup: source DTensor does not hold X")
     if compiled:
         mdt.prepare(dt, dst_mesh, dst_p)
-        fn = torch.compile(lambda d: mimo_fx.redistribute(d, dst_mesh, dst_p),
+        fn = torch.compile(lambda d: mimo_fx.redistribute_dtensor(d, dst_mesh, dst_p),
                            backend="aot_eager", fullgraph=True, dynamic=False)
         y = fn(dt)
     else:
-        y = mimo_fx.redistribute(dt, dst_mesh, dst_p, **OPTIONS.get(name, {}))
+        y = mimo_fx.redistribute_dtensor(dt, dst_mesh, dst_p, **OPTIONS.get(name, {}))
     if in_dst:
         if not isinstance(y, DTensor) or y.device_mesh is not dst_mesh \
                 or tuple(y.placements) != tuple(dst_p):
@@ -425,7 +426,7 @@ def _grad_partial(rank, meshes) -> list[str]:
     dst_mesh = _mesh(([4, 5, 6, 7], ("e",)), meshes)
     shape = (8, 6)
     x, local, dt = _source(rank, src_mesh, [Shard(0), Replicate()], shape)
-    y = mimo_fx.redistribute(dt, dst_mesh, [Replicate()], grad_partial=("e",))
+    y = mimo_fx.redistribute_dtensor(dt, dst_mesh, [Replicate()], grad_partial=("e",))
     problems = []
     if rank >= 4:
         if not torch.equal(y.to_local(), x):
@@ -448,17 +449,20 @@ def _error(rank, meshes, name) -> str | None:
     try:
         if name == "error_partial_dst_other_mesh":
             _, _, dt = _source(rank, _mesh(INIT42, meshes), [Shard(0), Partial()], (4, 4))
-            mimo_fx.redistribute(dt, _mesh(INIT24, meshes), [Shard(0), Partial()])
+            mimo_fx.redistribute_dtensor(dt, _mesh(INIT24, meshes), [Shard(0), Partial()])
+        elif name == "error_dtensor_to_layout_facade":
+            _, _, dt = _source(rank, _mesh(INIT42, meshes), [Shard(0), Replicate()], (4, 4))
+            mimo_fx.redistribute(dt, _mesh(INIT8, meshes), [Replicate()])
         elif name == "error_avg_partial":
             from torch.distributed.tensor import DTensor
 
             mesh = _mesh(INIT42, meshes)
             dt = DTensor.from_local(torch.zeros(1, 4), mesh, [Shard(0), Partial("avg")],
                                     run_check=False, shape=(4, 4), stride=(4, 1))
-            mimo_fx.redistribute(dt, _mesh(INIT8, meshes), [Replicate()])
+            mimo_fx.redistribute_dtensor(dt, _mesh(INIT8, meshes), [Replicate()])
         else:
             _, _, dt = _source(rank, _mesh(INIT42, meshes), [Shard(1), Replicate()], (3, 9))
-            fn = torch.compile(lambda d: mimo_fx.redistribute(d, _mesh(INIT8, meshes),
+            fn = torch.compile(lambda d: mimo_fx.redistribute_dtensor(d, _mesh(INIT8, meshes),
                                                               [Shard(1)]),
                                backend="aot_eager", fullgraph=True, dynamic=False)
             fn(dt)
@@ -508,6 +512,8 @@ def test_cross_mesh_redistribute(world_results, name):
                                      r"partial axes"),
     ("error_avg_partial", r"MimoFxError: .*Partial reduce op 'avg'"),
     ("error_unprepared_compile", r"process groups must be prepared first"),
+    ("error_dtensor_to_layout_facade", r"MimoFxError: redistribute takes layouts.*"
+                                       r"mimo_fx.redistribute_dtensor\(x, dst_mesh"),
 ])
 def test_errors_on_every_rank(world_results, name, match):
     messages = [r[name] for r in world_results]

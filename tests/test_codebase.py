@@ -1,0 +1,94 @@
+"""The codebase's shape: the project's modules import one another without a cycle
+(function-level imports included): the core (grid, layout, plan, vjp) imports no backend,
+the backends import no facade, the facade imports the backends; and no library function
+runs past 60 lines unless its docstring says why ("Long because")."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"mimo_fx": ROOT / "mimo_fx", "mimo_fx.reference": ROOT / "reference",
+            "mimo_fx.compiled": ROOT / "compiled"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.glob("*.py"):
+            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    package = name if path.stem == "__init__" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            # "from pkg import module" imports the module; "from module import name" the
+            # module (or the package's __init__ when a name is not a module)
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t in known and t != name}
+    return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    modules = _modules()
+    known = set(modules)
+    # importing a submodule also runs its parents' __init__; that implicit edge is
+    # Python's, so only what a module names counts
+    graph = {name: _imports(name, path, known) for name, path in modules.items()}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_core_imports_no_backend():
+    modules = _modules()
+    known = set(modules)
+    for core in ("grid", "layout", "regions", "plan", "local", "vjp", "errors"):
+        name = f"mimo_fx.{core}"
+        backends = {t for t in _imports(name, modules[name], known)
+                    if t.startswith(("mimo_fx.compiled", "mimo_fx.reference", "mimo_fx.op"))}
+        assert not backends, f"{name} imports {backends}"
+
+
+def test_no_long_function_without_a_reason():
+    long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 60 and "Long because" not in (ast.get_docstring(node) or ""):
+                    long.append(f"{name}.{node.name}: {lines} lines")
+    assert not long, long
