@@ -78,6 +78,10 @@ def _allreduce(values: list[float], op) -> list[float]:
 
 
 def _train(rank: int, run: Run) -> dict:
+    """Train ``run`` on this rank and compare every step with the undistributed model.
+
+    Long because it reads as the training script a user writes: the model and this rank's
+    pieces, the differentiated step closing over them, warm-up, then the loop."""
     import torch.distributed as dist
 
     from mimo_fx.compiled.world import ProcessWorld
@@ -108,7 +112,6 @@ def _train(rank: int, run: Run) -> dict:
         return world.end(total)
 
     grad_step = torch.func.grad_and_value(loss_fn)
-    step_fn = grad_step
     grads = ModuleGrads(world, layouts, run.cfg.sizes)
 
     def step_grads(fn, x, t):
@@ -120,22 +123,11 @@ def _train(rank: int, run: Run) -> dict:
     def pieces(x, t):
         return shard(x, model.x).get(rank), shard(t, model.target).get(rank)
 
-    # warm-up: an eager step prepares every bridge (same order on all ranks) and records
-    # the bytes a step moves; then the compiled step is traced once
-    world.calls = []
-    step_grads(grad_step, *pieces(*_data(run.cfg, 0)))
+    world.calls = []  # the eager warm-up step records the bytes a step moves
+    step_fn, compile_s = _warm_up(run, grad_step, lambda fn: step_grads(
+        fn, *pieces(*_data(run.cfg, 0))), say)
     step_bytes = world.bytes_sent()
     world.calls = None
-    compile_s = 0.0
-    if run.backend != "eager":
-        torch._dynamo.reset()
-        step_fn = torch.compile(grad_step, backend=run.backend, fullgraph=True)
-        say(f"[{run.variant}] compiling the step with {run.backend}", flush=True)
-        dist.barrier()
-        start = time.perf_counter()
-        step_grads(step_fn, *pieces(*_data(run.cfg, 0)))
-        compile_s = time.perf_counter() - start
-        say(f"[{run.variant}] compiled in {compile_s:.1f} s", flush=True)
 
     rows = []
     for step in range(1, run.steps + 1):
@@ -147,22 +139,12 @@ def _train(rank: int, run: Run) -> dict:
             for n in mine:
                 mine[n] = mine[n] - run.lr * g[n]
         elapsed = time.perf_counter() - start
-        # the undistributed model on the full batch
-        leaves = {n: v.clone().requires_grad_() for n, v in full.items()}
-        ref_loss = model.reference_loss(leaves, x, t)
-        ref_loss.backward()
-        grad_diff = max(float((g[n] - shard(leaves[n].grad, layouts[n])[rank]).abs().max())
-                        for n in g)
-        full = {n: (v - run.lr * leaves[n].grad).detach() for n, v in full.items()}
-        loss_sum, = _allreduce([float(value) if counts_loss else 0.0], dist.ReduceOp.SUM)
-        worst, bytes_max, seconds = _allreduce([grad_diff, step_bytes, elapsed],
-                                               dist.ReduceOp.MAX)
-        total_bytes, = _allreduce([step_bytes], dist.ReduceOp.SUM)
-        say(f"[{run.variant}] step {step}/{run.steps}: loss {loss_sum:.6f} (undistributed "
-            f"{float(ref_loss):.6f}), {seconds * 1e3:.1f} ms", flush=True)
-        rows.append({"step": step, "loss": loss_sum, "ref_loss": float(ref_loss.detach()),
-                     "grad_diff": worst, "bytes_max": bytes_max, "bytes_total": total_bytes,
-                     "seconds": seconds})
+        full, ref_loss, grad_diff = _undistributed_step(model, full, x, t, run.lr, g, rank)
+        rows.append(_row(step, float(value) if counts_loss else 0.0, float(ref_loss),
+                         grad_diff, step_bytes, elapsed))
+        say(f"[{run.variant}] step {step}/{run.steps}: loss {rows[-1]['loss']:.6f} "
+            f"(undistributed {rows[-1]['ref_loss']:.6f}), "
+            f"{rows[-1]['seconds'] * 1e3:.1f} ms", flush=True)
     param_diff = max(float((mine[n] - shard(full[n], layouts[n])[rank]).abs().max())
                      for n in mine)
     param_diff, compile_s = _allreduce([param_diff, compile_s], dist.ReduceOp.MAX)
@@ -170,6 +152,53 @@ def _train(rank: int, run: Run) -> dict:
     torch._dynamo.reset()
     return {"variant": run.variant, "backend": run.backend, "rows": rows,
             "param_diff": param_diff, "compile_s": compile_s}
+
+
+def _row(step: int, loss: float, ref_loss: float, grad_diff: float, step_bytes: int,
+         elapsed: float) -> dict:
+    """One step's row of the table, over all ranks: the loss summed over the ranks that
+    count it, the worst gradient difference and time, bytes sent per rank and in all."""
+    import torch.distributed as dist
+
+    loss_sum, = _allreduce([loss], dist.ReduceOp.SUM)
+    worst, bytes_max, seconds = _allreduce([grad_diff, step_bytes, elapsed],
+                                           dist.ReduceOp.MAX)
+    total_bytes, = _allreduce([step_bytes], dist.ReduceOp.SUM)
+    return {"step": step, "loss": loss_sum, "ref_loss": ref_loss, "grad_diff": worst,
+            "bytes_max": bytes_max, "bytes_total": total_bytes, "seconds": seconds}
+
+
+def _warm_up(run: Run, grad_step, run_step, say):
+    """An eager step (it prepares every bridge, in the same order on all ranks), then, for
+    a compiled run, the step traced and compiled once: the step to run, compile seconds."""
+    import torch.distributed as dist
+
+    run_step(grad_step)
+    if run.backend == "eager":
+        return grad_step, 0.0
+    torch._dynamo.reset()
+    step_fn = torch.compile(grad_step, backend=run.backend, fullgraph=True)
+    say(f"[{run.variant}] compiling the step with {run.backend}", flush=True)
+    dist.barrier()
+    start = time.perf_counter()
+    run_step(step_fn)
+    compile_s = time.perf_counter() - start
+    say(f"[{run.variant}] compiled in {compile_s:.1f} s", flush=True)
+    return step_fn, compile_s
+
+
+def _undistributed_step(model: ToyMimo, full: dict, x, t, lr: float, g: dict, rank: int):
+    """One SGD step of the undistributed model on the full batch: its new parameters, its
+    loss, and how far this rank's gradient pieces ``g`` are from its gradients."""
+    from mimo_fx.reference import shard
+
+    leaves = {n: v.clone().requires_grad_() for n, v in full.items()}
+    ref_loss = model.reference_loss(leaves, x, t)
+    ref_loss.backward()
+    layouts = model.param_layouts
+    grad_diff = max(float((g[n] - shard(leaves[n].grad, layouts[n])[rank]).abs().max())
+                    for n in g)
+    return {n: (v - lr * leaves[n].grad).detach() for n, v in full.items()}, ref_loss, grad_diff
 
 
 def train_worker(rank: int, world_size: int, runs: list[Run]) -> list[dict]:
