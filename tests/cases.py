@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from mimo_fx import Grid, Layout
 
-__all__ = ["Case", "CASES", "case_ids", "star"]
+__all__ = ["Case", "CASES", "by_name", "case_ids", "star"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,14 @@ CASES: list[Case] = [
          L(Grid(tp=4, dp=2, offset=8), "(dp b) (tp s) h"), {"b": 4, "s": 8, "h": 4},
          ("pp", "disjoint")),
 ]
+
+
+def by_name(name: str) -> Case:
+    """The table's case called ``name``."""
+    found = [c for c in CASES if c.name == name]
+    if not found:
+        raise KeyError(f"no case {name!r}; cases: {', '.join(case_ids())}")
+    return found[0]
 
 
 def case_ids(cases=CASES) -> list[str]:

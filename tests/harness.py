@@ -1,9 +1,11 @@
 """Shared test helpers: what the plan says each rank issues, and the oracle's outputs.
 
-``expected_calls`` counts the collectives a rank takes part in for a plan; the gloo tests
-compare it with what Flight Recorder saw the rank run. ``expected_output`` is what a
-dst rank must hold after a redistribute: the oracle's ``shard`` of the global tensor, or,
-when dst keeps partial sums (which the oracle leaves open), the reference backend's.
+``index_mask``/``box_mask`` are the oracle's element sets and ``received`` what a plan
+delivers to each rank, for the plan-property tests. ``expected_calls`` counts the
+collectives a rank takes part in for a plan; the gloo tests compare it with what Flight
+Recorder saw the rank run. ``expected_output`` is what a dst rank must hold after a
+redistribute: the oracle's ``shard`` of the global tensor, or, when dst keeps partial
+sums (which the oracle leaves open), the reference backend's.
 """
 
 from __future__ import annotations
@@ -11,13 +13,17 @@ from __future__ import annotations
 from itertools import chain
 
 import torch
+from cases import Case
 
-from mimo_fx.plan import Exchange, Plan
+from mimo_fx import Collective
+from mimo_fx.layout import Layout
+from mimo_fx.plan import Exchange, Gather, Plan
 from mimo_fx.reference import redistribute as reference_redistribute
 from mimo_fx.reference import shard
+from mimo_fx.reference.oracle import shard_index
 from mimo_fx.regions import box_volume
 
-__all__ = ["expected_calls", "expected_output"]
+__all__ = ["expected_calls", "expected_output", "index_mask", "box_mask", "received"]
 
 
 def expected_calls(plan: Plan, rank: int) -> int:
@@ -40,3 +46,34 @@ def expected_output(case, x: torch.Tensor) -> dict[int, torch.Tensor]:
         return reference_redistribute(shard(x, case.src), case.src, case.dst, **case.sizes)
     x_dst = x.permute([case.src.dims.index(d) for d in case.dst.dims])
     return shard(x_dst, case.dst)
+
+
+def index_mask(layout: Layout, rank: int, case: Case, dims) -> torch.Tensor:
+    """Boolean mask (canonical = src dim order) of the global elements ``rank`` holds."""
+    mask = torch.zeros([case.sizes[d] for d in dims], dtype=torch.bool)
+    if not layout.holds(rank):
+        return mask
+    index = dict(zip(layout.dims, shard_index(layout, rank, case.sizes)))
+    mask[torch.meshgrid(*(index[d] for d in dims), indexing="ij")] = True
+    return mask
+
+
+def box_mask(box, case: Case, dims) -> torch.Tensor:
+    mask = torch.zeros([case.sizes[d] for d in dims], dtype=torch.bool)
+    mask[tuple(slice(a, b) for a, b in box)] = True
+    return mask
+
+
+def received(p) -> dict[int, list]:
+    """Per receiver, the boxes it gets in every step (reductions excluded)."""
+    out: dict[int, list] = {}
+    for step in p.steps:
+        if isinstance(step, Exchange):
+            for t in step.transfers:
+                out.setdefault(t.dst, []).append(t.box)
+        elif isinstance(step, Gather) or step.kind is Collective.ALL_REDUCE:
+            for group, parts in zip(step.groups, step.parts):
+                for rank in group:
+                    out.setdefault(rank, []).extend(
+                        b for r, part in zip(group, parts) if r != rank for b in part)
+    return out

@@ -14,46 +14,15 @@ import re
 
 import pytest
 import torch
-from cases import CASES, Case, case_ids
+from cases import CASES, Case, by_name, case_ids
+from harness import box_mask, index_mask, received
 
 from mimo_fx import Collective, Grid, Layout, plan
-from mimo_fx.plan import Exchange, Gather, Reduce
+from mimo_fx.plan import Exchange, Reduce
 from mimo_fx.plan import _plan as plan_cache
-from mimo_fx.reference.oracle import shard_index
 from mimo_fx.regions import box_volume
 
 ITEM = 4  # float32
-
-
-def index_mask(layout: Layout, rank: int, case: Case, dims) -> torch.Tensor:
-    """Boolean mask (canonical = src dim order) of the global elements ``rank`` holds."""
-    mask = torch.zeros([case.sizes[d] for d in dims], dtype=torch.bool)
-    if not layout.holds(rank):
-        return mask
-    index = dict(zip(layout.dims, shard_index(layout, rank, case.sizes)))
-    mask[torch.meshgrid(*(index[d] for d in dims), indexing="ij")] = True
-    return mask
-
-
-def box_mask(box, case: Case, dims) -> torch.Tensor:
-    mask = torch.zeros([case.sizes[d] for d in dims], dtype=torch.bool)
-    mask[tuple(slice(a, b) for a, b in box)] = True
-    return mask
-
-
-def received(p) -> dict[int, list]:
-    """Per receiver, the boxes it gets in every step (reductions excluded)."""
-    out: dict[int, list] = {}
-    for step in p.steps:
-        if isinstance(step, Exchange):
-            for t in step.transfers:
-                out.setdefault(t.dst, []).append(t.box)
-        elif isinstance(step, Gather) or step.kind is Collective.ALL_REDUCE:
-            for group, parts in zip(step.groups, step.parts):
-                for rank in group:
-                    out.setdefault(rank, []).extend(
-                        b for r, part in zip(group, parts) if r != rank for b in part)
-    return out
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_ids())
@@ -160,7 +129,7 @@ def test_partial_reduce_volume_is_bandwidth_optimal():
 
 
 def test_plan_is_cached_and_deterministic():
-    case = CASES[5]
+    case = by_name("fan_in_cp_zigzag")
     first = plan(case.src, case.dst, case.sizes)
     assert plan(case.src, case.dst, dict(case.sizes)) is first
     plan_cache.cache_clear()
@@ -184,7 +153,7 @@ def test_local_plan_prints_local_step():
 
 
 def test_dtype_scales_bytes():
-    case = CASES[4]
+    case = by_name("fan_in")
     p32 = plan(case.src, case.dst, case.sizes, torch.float32)
     p16 = plan(case.src, case.dst, case.sizes, torch.bfloat16)
     assert p32.max_recv == 2 * p16.max_recv > 0

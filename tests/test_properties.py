@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 from cases import star
+from harness import box_mask, index_mask, received
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_plan import box_mask, index_mask, received
 
 from mimo_fx import Grid, Layout, plan
 from mimo_fx.reference import redistribute, shard

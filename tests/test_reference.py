@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import CASES, Case, case_ids, star
+from cases import CASES, Case, by_name, case_ids, star
 
 import mimo_fx
 from mimo_fx.reference import redistribute, shard, unshard
@@ -134,7 +134,7 @@ def test_grad_partial_sums_per_replica_contributions():
 
 
 def test_public_op_dispatches_dicts_to_reference():
-    case = CASES[4]
+    case = by_name("fan_in")
     x = global_tensor(case, 9)
     y = mimo_fx.redistribute(shard(x, case.src), case.src, case.dst)
     for rank, piece in shard(x, case.dst).items():
@@ -142,7 +142,7 @@ def test_public_op_dispatches_dicts_to_reference():
 
 
 def test_public_op_single_tensor_without_process_group_raises():
-    case = CASES[4]
+    case = by_name("fan_in")
     with pytest.raises(mimo_fx.MimoFxError, match="torch.distributed"):
         mimo_fx.redistribute(torch.zeros(2, 8, 6), case.src, case.dst)
 
