@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from mimo_fx import Grid, Layout, MimoFxError, plan
-from mimo_fx.launch import run_world
 from mimo_fx.mimo import MimoParallelism, ModuleParallelism
 from mimo_fx.reference import redistribute as reference_redistribute
 from mimo_fx.reference import shard
+from mimo_fx.testing import WorldError, run_world
 
 SRC = Layout(Grid(tp=2, dp=2), "(dp b) s h")
 DST = Layout(Grid(tp=2, dp=2), "(dp b) (tp s) h")
@@ -161,34 +161,44 @@ def test_the_world_goes_on_after_checked_errors(scenarios):
 
 
 # -- checked on one rank, unchecked on the other ------------------------------------------
-def _mixed(rank: int, world: int) -> dict:
+def _mixed(rank: int, world: int, out_dir: str) -> None:
+    """Each rank writes what it saw before anything else can happen to it: when rank 0
+    leaves, gloo may abort rank 1's pending collective (SIGABRT) instead of raising."""
     from mimo_fx.compiled import Redistributor
+
+    def report(text: str) -> None:
+        with open(os.path.join(out_dir, f"{rank}.txt"), "w") as f:
+            f.write(text)
 
     src, dst = Layout(Grid(dp=2), "(dp b) h"), Layout(Grid(dp=2), "b (dp h)")
     bridge = Redistributor(src, dst, {"b": 4, "h": 4}, checked=rank == 0)
     try:
         y = bridge(shard(_x({"b": 4, "h": 4}, "bh"), src)[rank])
-        return {"returned": y.tolist()}
+        report(f"returned {y.tolist()}")
     except Exception as err:  # noqa: BLE001 - what each rank saw is the finding
         import torch.distributed as dist
 
+        report(f"raised {type(err).__name__}: {err}")
         dist.destroy_process_group()  # a rank that failed leaves, as its process would
-        return {"raised": f"{type(err).__name__}: {err}"}
 
 
-def test_checked_and_unchecked_ranks_fail_instead_of_pairing_wrong_data():
+def test_checked_and_unchecked_ranks_fail_instead_of_pairing_wrong_data(tmp_path):
     """Rank 0 checks (its header exchange runs on the check group), rank 1 does not (its
     data all-to-all runs on the data group): nothing pairs. Rank 0 times out with an
-    error that names the likely cause; when it leaves, rank 1's collective fails. Before
-    the check had its own group, rank 1 returned garbage from rank 0's header."""
+    error that names the likely cause; when it leaves, rank 1's collective fails (an
+    exception, or gloo aborting the process). Before the check had its own group, rank 1
+    returned garbage from rank 0's header."""
     os.environ["MIMO_FX_CHECK_TIMEOUT"] = "5"
     try:
-        results = run_world(2, _mixed, timeout=120)
+        run_world(2, _mixed, str(tmp_path), timeout=120)
+    except WorldError as err:  # rank 1 aborted by gloo: failing, not wrong data
+        assert "process 1" in str(err) or "rank 1" in str(err), err
     finally:
         del os.environ["MIMO_FX_CHECK_TIMEOUT"]
-    assert "MimoFxError" in results[0].get("raised", ""), results[0]
-    assert "checked=False" in results[0]["raised"]
-    assert "raised" in results[1], f"rank 1 returned {results[1]} instead of failing"
+    said = {p.stem: p.read_text() for p in tmp_path.glob("*.txt")}
+    assert said.get("0", "").startswith("raised MimoFxError"), said
+    assert "checked=False" in said["0"]
+    assert not said.get("1", "").startswith("returned"), f"rank 1 {said['1']} instead of failing"
 
 
 # -- arguments, validated identically on every rank (no world needed) ----------------------
