@@ -1,6 +1,6 @@
 """How fast the compiled backend moves data: ``Redistributor`` calls vs bare collectives.
 
-One world of 8 gloo processes on 127.0.0.1 (spawned by ``mimo_fx.launch.run_world``)
+One world of 8 gloo processes on 127.0.0.1 (spawned by ``mimo_fx.testing.run_world``)
 runs every case of a small table, float32, twice: at a size where each rank's piece is
 >= 1 MiB, and at ~16 KiB per rank. For each row every rank measures, and rank 0 reports
 the max over ranks of the per-rank medians (an ``all_reduce(MAX)`` of floats):
@@ -70,8 +70,8 @@ from common import NullComm, bare, collectives, timed
 from tabulate import tabulate
 
 from mimo_fx import Grid, Layout
-from mimo_fx.launch import run_world
 from mimo_fx.plan import plan
+from mimo_fx.testing import run_world
 
 WORLD = 8
 ITERS, WARMUP, OVERHEAD_ITERS = 10, 3, 200

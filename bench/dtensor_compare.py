@@ -9,7 +9,7 @@ dims outermost first); ``Grid(tp=4, dp=2)`` is tp = 2*m1 + m2, dp = m0; and
 ``Grid(tp=2, cp=2, dp=2)`` is tp = m2, cp = m1, dp = m0. Pipelined (disjoint) grids and
 zigzag CP have no DTensor form and are left out here (see ``bench/plan_quality.py``).
 
-Per case and rank, one world of 8 gloo processes (``mimo_fx.launch.run_world``, one
+Per case and rank, one world of 8 gloo processes (``mimo_fx.testing.run_world``, one
 thread each) times four variants, float32, eager, under ``torch.no_grad()``:
 
 - mimo_fx: ``Redistributor(src, dst, sizes, torch.float32)(x)``;
@@ -60,7 +60,7 @@ from common import bare, collectives, replicas, timed
 from tabulate import tabulate
 
 from mimo_fx import Grid, Layout, plan
-from mimo_fx.launch import run_world
+from mimo_fx.testing import run_world
 
 WORLD = 8
 ITERS, WARMUP = 15, 3

@@ -3,7 +3,7 @@
 Flight Recorder keeps, per process, a ring buffer of the collectives its process groups
 ran -- gloo and NCCL alike, whether an eager call, an aot_eager graph or inductor's
 generated code issued them. It is on when the environment has ``TORCH_FR_BUFFER_SIZE``
-(entries kept) before ``init_process_group``; :func:`mimo_fx.launch.run_world` sets it
+(entries kept) before ``init_process_group``; :func:`mimo_fx.testing.run_world` sets it
 with ``record=True``. Comparing the records of every rank is how the tests check the
 invariant that every rank of a bridge issues the same collectives in the same order.
 
@@ -47,7 +47,8 @@ def _entries() -> list[dict]:
                           f"does)")
     import torch
 
-    return pickle.loads(torch._C._distributed_c10d._dump_fr_trace()).get("entries", [])
+    dump = torch._C._distributed_c10d._dump_fr_trace  # type: ignore[attr-defined]
+    return pickle.loads(dump()).get("entries", [])
 
 
 def mark() -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -12,7 +14,7 @@ __all__ = ["ProcessWorld"]
 
 
 class ProcessWorld:
-    """Runs SPMD code (see :mod:`mimo_fx.spmd`) as this process's rank.
+    """Runs SPMD code (see :mod:`mimo_fx.mimo.spmd`) as this process's rank.
 
     Bridges are prepared on first use outside tracing; call :meth:`bridge` for each
     redistribution before ``torch.compile`` (or run the step once eagerly).
@@ -36,7 +38,7 @@ class ProcessWorld:
         self._bridges: dict = {}
         self._anchor: torch.Tensor | None = None
         self._dangling: list[torch.Tensor] = []
-        self.calls: list[tuple[object, bool]] | None = None  # set to [] to record calls
+        self.calls: list[tuple[Any, bool]] | None = None  # set to [] to record calls
 
     def bridge(self, src: Layout, dst: Layout, sizes: dict[str, int], grad_partial=()):
         from . import Redistributor

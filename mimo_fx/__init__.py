@@ -21,7 +21,7 @@ except PackageNotFoundError:  # run from a source tree that is not installed
 __all__ = ["__version__", "Collective", "Grid", "Layout", "MimoFxError", "Plan",
            "backward_plan", "plan", "redistribute"]
 
-_SUBPACKAGES = ("compiled", "reference", "dtensor")
+_SUBPACKAGES = ("compiled", "reference", "mimo", "interop", "testing")
 
 
 def __getattr__(name: str):
@@ -32,5 +32,5 @@ def __getattr__(name: str):
     if name in _SUBPACKAGES:
         return importlib.import_module(f"{__name__}.{name}")
     if name == "redistribute_dtensor":  # DTensor's entry point, imported on first use
-        return importlib.import_module(f"{__name__}.dtensor").redistribute_dtensor
+        return importlib.import_module(f"{__name__}.interop.dtensor").redistribute_dtensor
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 A dict ``{rank: tensor}`` runs the reference backend for every rank in this process; a
 tensor (or None) runs the compiled backend for this rank. DTensors have their own entry
-point, :func:`mimo_fx.dtensor.redistribute_dtensor` (a mesh and placements, not layouts).
+point, :func:`mimo_fx.interop.dtensor.redistribute_dtensor` (a mesh and placements, not layouts).
 The backends never import this module (they share :mod:`mimo_fx.vjp`).
 """
 
@@ -33,7 +33,7 @@ def redistribute(x, src, dst, *, sizes=None, grad_partial=(), comm_dtype=None,
     :mod:`mimo_fx.compiled` -- or a dict ``{rank: local tensor}`` holding every src
     rank's piece, which the reference backend runs for the whole world in this process,
     returning a dict for the dst ranks. (A DTensor goes to
-    :func:`mimo_fx.dtensor.redistribute_dtensor` instead.)
+    :func:`mimo_fx.interop.dtensor.redistribute_dtensor` instead.)
 
     Global dim sizes the local shapes cannot tell are size keywords (``b=30``) or
     ``sizes={"b": 30}`` (for a dim named like an option); any other keyword raises.

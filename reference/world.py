@@ -10,7 +10,7 @@ __all__ = ["ReferenceWorld"]
 
 
 class ReferenceWorld:
-    """Runs SPMD code (see :mod:`mimo_fx.spmd`) for all ranks at once."""
+    """Runs SPMD code (see :mod:`mimo_fx.mimo.spmd`) for all ranks at once."""
 
     ranks: tuple[int, ...] = ()
 

@@ -13,8 +13,8 @@ import torch
 from cases import CASES, Case, star
 from harness import expected_calls, expected_output
 
-from mimo_fx.launch import run_world
 from mimo_fx.reference import shard
+from mimo_fx.testing import run_world
 
 WORLD = 8
 SAMPLE = [c for c in CASES if c.world <= WORLD]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mimo_fx import Grid, Layout, MimoFxError
-from mimo_fx.launch import run_world
+from mimo_fx.testing import run_world
 
 # x: the encoder's output rows, replicated over tp on a TP2 x DP2 grid; the LLM side
 # shards rows over dp and columns over tp on the same 4 ranks (no replicas, so the

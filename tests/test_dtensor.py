@@ -18,11 +18,11 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from mimo_fx import Grid, Layout, MimoFxError, redistribute
-from mimo_fx.dtensor import dtensor_layout, grid_from_mesh, layout_from_dtensor
-from mimo_fx.launch import run_world
+from mimo_fx.interop.dtensor import dtensor_layout, grid_from_mesh, layout_from_dtensor
 from mimo_fx.reference import shard
 from mimo_fx.reference.oracle import shard_index
 from mimo_fx.regions import Tiling
+from mimo_fx.testing import run_world
 
 WORLD = 8
 
@@ -370,7 +370,7 @@ def _check(rank, meshes, name, compiled: bool = False) -> list[str]:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     import mimo_fx
-    import mimo_fx.dtensor as mdt
+    import mimo_fx.interop.dtensor as mdt
 
     src_spec, src_p, dst_spec, dst_p, shape = SCENARIOS[name]
     src_mesh, dst_mesh = _mesh(src_spec, meshes), _mesh(dst_spec, meshes)

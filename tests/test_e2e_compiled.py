@@ -4,15 +4,15 @@ processes equals the undistributed model (one spawned world for every configurat
 The colocated fan-in into zigzag CP and the pipelined disjoint grids run compiled
 (``torch.compile(fullgraph=True)``, aot_eager: a graph break would raise); fan-out and
 equal run eager. Every rank compares its synchronised gradients each step and its
-parameters at the end with the undistributed model's (``mimo_fx.e2e``).
+parameters at the end with the undistributed model's (``mimo_fx.mimo.e2e``).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from mimo_fx.e2e import TOLERANCE, Run, check, train_worker
-from mimo_fx.launch import run_world
+from mimo_fx.mimo.e2e import TOLERANCE, Run, check, train_worker
+from mimo_fx.testing import run_world
 
 RUNS = [Run("colocated", steps=2), Run("pipelined", steps=2),
         Run("fan_out", steps=2, backend="eager"), Run("equal", steps=2, backend="eager")]

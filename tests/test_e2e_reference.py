@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from mimo_fx.mimo import ModuleParallelism as M
+from mimo_fx.mimo.toy import ToyConfig, ToyMimo, finalize_grads
 from mimo_fx.reference import ReferenceWorld, shard
-from mimo_fx.toy import ToyConfig, ToyMimo, finalize_grads
 
 CFG = ToyConfig()
 CONFIGS = {

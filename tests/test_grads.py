@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from mimo_fx import MimoFxError
-from mimo_fx.grads import ModuleGrads
 from mimo_fx.mimo import ModuleParallelism as M
+from mimo_fx.mimo.grads import ModuleGrads
+from mimo_fx.mimo.toy import ToyConfig, ToyMimo
 from mimo_fx.reference import ReferenceWorld, shard
-from mimo_fx.toy import ToyConfig, ToyMimo
 
 CFG = ToyConfig()
 
@@ -82,7 +82,7 @@ def test_sync_keeps_the_parameter_layout_split():
     """A parameter cut with DTensor's chunk rule (h=5 over tp=4: 2, 2, 1, 0) is summed
     over dp in that same layout, not re-cut with tensor_split (2, 1, 1, 1)."""
     from mimo_fx import Grid, Layout
-    from mimo_fx.grads import finalize_grads
+    from mimo_fx.mimo.grads import finalize_grads
 
     layout = Layout(Grid(tp=4, dp=2), "(tp h)", split="chunk")
     per_replica = [torch.arange(5.0) * (d + 1) for d in range(2)]  # each dp replica's grad

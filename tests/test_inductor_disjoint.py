@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mimo_fx import Grid, Layout
-from mimo_fx.launch import run_world
+from mimo_fx.testing import run_world
 
 BRIDGES = {
     "2_ranks": (Layout(Grid(dp=1), "b h"), Layout(Grid(dp=1, offset=1), "b h"), {"b": 4, "h": 8}),

@@ -1,4 +1,4 @@
-"""mimo_fx.launch.run_world: results by rank, and a failing rank reported as the cause."""
+"""mimo_fx.testing.run_world: results by rank, and a failing rank reported as the cause."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mimo_fx import MimoFxError
-from mimo_fx.launch import WorldError, run_world
+from mimo_fx.testing import WorldError, run_world
 
 
 def _sum_of_ranks(rank: int, world: int, scale: int) -> int:

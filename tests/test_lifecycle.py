@@ -16,8 +16,8 @@ import threading
 import torch
 
 from mimo_fx import Grid, Layout, MimoFxError
-from mimo_fx.launch import run_world
 from mimo_fx.reference import shard
+from mimo_fx.testing import run_world
 
 SIZES = {"b": 4, "s": 8, "h": 2}
 DISJOINT = (Layout(Grid(dp=2), "(dp b) s h"), Layout(Grid(tp=2, offset=2), "b (tp s) h"))

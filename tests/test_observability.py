@@ -7,7 +7,7 @@ import logging
 
 import mimo_fx
 from mimo_fx import Grid, Layout
-from mimo_fx.launch import run_world
+from mimo_fx.testing import run_world
 
 SRC = Layout(Grid(dp=2), "(dp b) h")
 DST = Layout(Grid(tp=2), "b (tp h)")

@@ -1,6 +1,6 @@
 """A toy MIMO model: encoder (TP MLP) -> projection -> bridge -> causal LLM block.
 
-Written once as SPMD code over ``{rank: piece}`` dicts (:mod:`mimo_fx.spmd`), so the
+Written once as SPMD code over ``{rank: piece}`` dicts (:mod:`mimo_fx.mimo.spmd`), so the
 same step runs on the reference world and on a process world, and once as plain
 full-tensor math (:meth:`ToyMimo.reference_loss`), the oracle it is checked against.
 
@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from mimo_fx.grid import Grid
+from mimo_fx.layout import Layout
+from mimo_fx.local import local_indices
+
 from .grads import finalize_grads
-from .grid import Grid
-from .layout import Layout
-from .local import local_indices
 from .spmd import Pieces, World, local
 
 __all__ = ["ToyConfig", "ToyMimo", "finalize_grads"]

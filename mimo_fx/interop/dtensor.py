@@ -37,11 +37,11 @@ from math import prod
 
 import torch
 
-from .errors import MimoFxError
-from .grid import Grid
-from .layout import Layout
-from .op import is_dtensor
-from .regions import chunk_bounds, split_bounds
+from mimo_fx.errors import MimoFxError
+from mimo_fx.grid import Grid
+from mimo_fx.layout import Layout
+from mimo_fx.op import is_dtensor
+from mimo_fx.regions import chunk_bounds, split_bounds
 
 __all__ = ["DTensorLayout", "grid_from_mesh", "layout_from_dtensor", "dtensor_layout",
            "redistribute_dtensor", "prepare", "is_dtensor"]
@@ -158,7 +158,7 @@ def _grid(ranks: torch.Tensor, names: tuple[str, ...]) -> Grid:
                if missing else f"ranks {twice[:8]} appear twice")
             + ". A submesh (e.g. mesh['dp'] of a 2-D mesh) is not a grid: use the whole mesh "
               "with Replicate() on the other mesh dims")
-    strides = []
+    strides: list[int | float | None] = []
     for i, n in enumerate(shape):
         if n == 1:
             strides.append(None)
@@ -230,7 +230,7 @@ def layout_from_dtensor(mesh, placements: Sequence, shape: Sequence[int], *,
     partial = []
     for mesh_dim, (name, p) in enumerate(zip(names, placements)):
         kind, dim = _placement_kind(p, mesh_dim, len(shape))
-        if kind == "shard":
+        if kind == "shard" and dim is not None:
             shard[dim].append(name)
         elif kind == "partial":
             partial.append(name)
@@ -296,7 +296,7 @@ def dtensor_layout(layout: Layout, sizes: dict[str, int]) -> DTensorLayout:
     k = len(grid.names)
     base = torch.arange(grid.size).reshape(tuple(reversed(grid.sizes)))
     ranks = base.permute([k - 1 - grid.axis_index(a) for a in order]) + grid.offset
-    placements = []
+    placements: list = []
     for axis in order:
         sharded = [d for d, axes in layout.sharding.items() if axis in axes]
         if sharded:
@@ -387,7 +387,7 @@ _INDEX: dict[tuple, int] = {}
 @torch.compiler.assume_constant_result
 def _bridge_index(src_mesh, src_placements, shape, dst_mesh, dst_placements, dtype,
                   grad_partial, comm_dtype, checked) -> int:
-    from .compiled import prepare as compiled_prepare
+    from mimo_fx.compiled import prepare as compiled_prepare
 
     try:
         src, dst, sizes = _layouts(src_mesh, src_placements, shape, dst_mesh, dst_placements)
@@ -397,7 +397,7 @@ def _bridge_index(src_mesh, src_placements, shape, dst_mesh, dst_placements, dty
         if not live and torch.compiler.is_compiling():
             raise MimoFxError(
                 "under torch.compile its process groups must be prepared first: call it "
-                "once eagerly, or mimo_fx.dtensor.prepare(x, dst_mesh, dst_placements), on "
+                "once eagerly, or mimo_fx.interop.dtensor.prepare(x, dst_mesh, dst_placements), on "
                 "every rank before compiling")
         bridge = compiled_prepare(src, dst, sizes, dtype, grad_partial=grad_partial,
                                   comm_dtype=comm_dtype, checked=checked)

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from .layout import Layout
+from mimo_fx.layout import Layout
 
 __all__ = ["World", "Pieces", "local"]
 

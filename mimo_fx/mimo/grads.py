@@ -33,8 +33,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .errors import MimoFxError
-from .layout import Layout
+from mimo_fx.errors import MimoFxError
+from mimo_fx.layout import Layout
+
 from .spmd import Pieces, World
 
 __all__ = ["ModuleGrads", "finalize_grads"]

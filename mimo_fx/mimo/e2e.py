@@ -1,8 +1,8 @@
 """End-to-end: the toy MIMO model trained on one process per rank, checked against the
 undistributed model.
 
-``python -m mimo_fx.e2e`` spawns 8 gloo processes on 127.0.0.1 and trains the toy model
-(:mod:`mimo_fx.toy`) for a few SGD steps in two layouts:
+``python -m mimo_fx.mimo.e2e`` spawns 8 gloo processes on 127.0.0.1 and trains the toy model
+(:mod:`mimo_fx.mimo.toy`) for a few SGD steps in two layouts:
 
 - **colocated**: encoder TP2xDP4 and LLM TP2xCP2xDP2 on the same 8 ranks (fan-in bridge
   into zigzag CP);
@@ -12,7 +12,7 @@ undistributed model.
 Each step is ``torch.func.grad_and_value`` of the SPMD loss on the process world
 (:class:`mimo_fx.compiled.world.ProcessWorld`), compiled with ``torch.compile`` (backend
 ``aot_eager`` by default), then the multi-module gradient sync
-(:class:`mimo_fx.grads.ModuleGrads`) and an SGD update. Every rank also runs the
+(:class:`mimo_fx.mimo.grads.ModuleGrads`) and an SGD update. Every rank also runs the
 undistributed model on the full batch (plain tensors, no mimo_fx) and compares, per
 step, its synchronised gradient pieces with the matching pieces of the full gradients,
 and at the end its parameters. A table gives per step: the global loss (and the
@@ -30,11 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import MimoFxError
+from mimo_fx.errors import MimoFxError
+from mimo_fx.plan import format_bytes
+
+from .config import MimoParallelism
+from .config import ModuleParallelism as M
 from .grads import ModuleGrads
-from .mimo import MimoParallelism
-from .mimo import ModuleParallelism as M
-from .plan import format_bytes
 from .toy import ToyConfig, ToyMimo
 
 __all__ = ["VARIANTS", "train_worker", "main"]
@@ -202,7 +203,7 @@ def _undistributed_step(model: ToyMimo, full: dict, x, t, lr: float, g: dict, ra
 
 
 def train_worker(rank: int, world_size: int, runs: list[Run]) -> list[dict]:
-    """Every run on this rank (call on all ranks, e.g. via ``mimo_fx.launch.run_world``)."""
+    """Every run on this rank (call on all ranks, e.g. via ``mimo_fx.testing.run_world``)."""
     return [_train(rank, run) for run in runs]
 
 
@@ -237,7 +238,7 @@ def check(results: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mimo_fx.e2e", description=__doc__.split(
+    parser = argparse.ArgumentParser(prog="python -m mimo_fx.mimo.e2e", description=__doc__.split(
         "\n\n")[0])
     parser.add_argument("--variant", action="append", choices=sorted(VARIANTS),
                         help="layouts to train (repeatable; default: colocated and pipelined)")
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps {args.steps}: need at least one step")
-    from .launch import run_world
+    from mimo_fx.testing import run_world
 
     variants = args.variant or ["colocated", "pipelined"]
     runs = [Run(v, steps=args.steps, backend=args.backend, progress=True) for v in variants]

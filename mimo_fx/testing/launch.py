@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .errors import MimoFxError
+from mimo_fx.errors import MimoFxError
 
 __all__ = ["WorldError", "run_world"]
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import MimoFxError
-from .grid import Grid
-from .regions import split_bounds
+from mimo_fx.errors import MimoFxError
+from mimo_fx.grid import Grid
+from mimo_fx.regions import split_bounds
 
 __all__ = ["ModuleParallelism", "MimoParallelism", "is_first_stage", "is_last_stage",
            "embedding_group", "position_embedding_group"]
@@ -98,7 +98,7 @@ class MimoParallelism:
                     f"{b!r}'s offset to {a1}")
 
     def _check_no_stub_ranks(self) -> None:
-        used = set()
+        used: set[int] = set()
         for m in self.modules.values():
             used.update(range(m.offset, m.offset + m.size))
         stubs = sorted(set(range(self.world_size)) - used)
