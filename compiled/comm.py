@@ -23,7 +23,7 @@ desync. Eagerly, the ops are called as they are, one after the other.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -70,7 +70,7 @@ def _defined(name: str) -> bool:
     return True
 
 
-def _define(schema: str, run, fake) -> object:
+def _define(schema: str, run, fake) -> Any:
     """One op: ``run`` on real tensors (every device), ``fake`` for tracing."""
     name = schema.split("(", 1)[0]
     if not _defined(name):
@@ -107,7 +107,7 @@ def _register_ordered() -> bool:
     plain custom ops: correct eagerly, but a compiler may move them)."""
     try:
         from torch._library.effects import EffectType
-        register = torch.library._register_effectful_op
+        register: Any = torch.library._register_effectful_op
     except (ImportError, AttributeError):
         try:  # torch < 2.9
             from torch._higher_order_ops.effects import _EffectType as EffectType

@@ -20,10 +20,10 @@ __all__ = ["CompiledExecutor", "issue"]
 
 
 def _build(entries: list, node: Node) -> torch.Tensor:
-    if type(node) is View:
+    if isinstance(node, View):
         t = entries[node.entry]
         return t if node.index is None else t[node.index]
-    if type(node) is Cat:
+    if isinstance(node, Cat):
         return torch.cat([_build(entries, part) for part in node.parts], node.dim)
     out = entries[0].new_empty(node.shape)
     for entry, src, dst in node.writes:
@@ -33,12 +33,13 @@ def _build(entries: list, node: Node) -> torch.Tensor:
 
 def _pack(entries: list, op: Op, wire) -> torch.Tensor:
     items = op.pack
-    if len(items) == 1 and type(items[0]) is not int:
+    if len(items) == 1 and not isinstance(items[0], int):
         flat = _build(entries, items[0]).reshape(-1)
     elif op.stack:
-        flat = torch.stack([_build(entries, item) for item in items]).view(-1)
+        flat = torch.stack([_build(entries, item) for item in items
+                            if not isinstance(item, int)]).view(-1)
     elif items:
-        flat = torch.cat([entries[0].new_zeros(item) if type(item) is int
+        flat = torch.cat([entries[0].new_zeros(item) if isinstance(item, int)
                           else _build(entries, item).reshape(-1) for item in items])
     else:
         flat = entries[0].new_zeros(0)
@@ -72,7 +73,7 @@ class CompiledExecutor:
             canon = canon.reshape(program.src_expand)
         if program.src_perm is not None:
             canon = canon.permute(program.src_perm)
-        entries = [canon]
+        entries: list[torch.Tensor | None] = [canon]
         wire = self.comm_dtype
         for op in program.ops:
             flat = issue(self.comm, op, _pack(entries, op, wire))

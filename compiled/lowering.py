@@ -25,9 +25,11 @@ materialised.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import product
 from math import prod
+from typing import Any
 
 from mimo_fx.local import box_slices
 from mimo_fx.plan import Collective, Exchange, Gather, Plan, Reduce
@@ -393,4 +395,5 @@ def _lower_reduce(step: Reduce, rank: int, res: _Resolver) -> Op | None:
 
 
 # one lowering function per step class
-_LOWER = {Exchange: _lower_exchange, Gather: _lower_gather, Reduce: _lower_reduce}
+_LOWER: dict[type, Callable[[Any, int, _Resolver], Op | None]] = {
+    Exchange: _lower_exchange, Gather: _lower_gather, Reduce: _lower_reduce}

@@ -187,6 +187,7 @@ class Redistributor:
         if x is None:
             x = self._no_src
             self._warn_none_in_func()
+        assert x is not None  # _guard rejected None on ranks that hold src
         if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             # no autograd possible: skip the autograd.Function layer (tens of µs a call)
             (y,) = self.executor.run(self._fwd_program, (x,))

@@ -515,6 +515,7 @@ def _reduce_scatter(src: Layout, hold: Tiling, axes: tuple[str, ...], need: Tili
             best = (cost, refined, parts, transfers)
         if not transfers and extents[dim] % k == 0:
             break  # a balanced reduce-scatter that leaves nothing to move: optimal
+    assert best is not None  # k >= 2 candidates were tried
     _, refined, parts, transfers = best
     regions = tuple(hold.boxes(g[0]) for g in groups)
     return refined, Reduce(Collective.REDUCE_SCATTER, groups, regions, parts), transfers

@@ -48,7 +48,7 @@ def chunk_bounds(size: int, sizes: list[int] | tuple[int, ...]) -> tuple[Interva
     One interval per flat shard index (first axis slowest)."""
     out: list[Interval] = [(0, size)]
     for parts in sizes:
-        nxt = []
+        nxt: list[Interval] = []
         for lo, hi in out:
             step = -(-(hi - lo) // parts)
             nxt.extend((min(lo + k * step, hi), min(lo + (k + 1) * step, hi))
@@ -142,7 +142,7 @@ def _dim_tiling(size: int, axes: tuple[str, ...], grid: Grid, zigzag: bool,
         per_shard = zigzag_bounds(size, parts)
     else:
         per_shard = tuple((iv,) for iv in shard_bounds(size, sizes, split))
-    pieces = []
+    pieces: list = []
     for k, intervals in enumerate(per_shard):
         owner = _unflatten(k, sizes)
         pieces.extend((iv, owner) for iv in intervals if iv[1] > iv[0])

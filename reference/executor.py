@@ -8,7 +8,9 @@ nothing: every box it moves is named by the plan.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import product
+from typing import Any
 
 import torch
 
@@ -49,7 +51,8 @@ class ReferenceExecutor:
             segments = src_tiling.segments(rank)
             stores[rank] = [(box, canon[box_slices(segments, box)])
                             for box in product(*segments)]
-        run = {Reduce: self._reduce, Gather: self._gather, Exchange: self._exchange}
+        run: dict[type, Callable[[Any, dict[int, Store]], None]] = {
+            Reduce: self._reduce, Gather: self._gather, Exchange: self._exchange}
         for step in plan.steps:  # one method per step class
             run[type(step)](step, stores)
         dtype = tensors[0].dtype
