@@ -44,14 +44,14 @@ class Bridge(Redistributor):
         """Validate ``x`` (this rank's src piece or None) and run the forward program."""
         self._assert_live()
         self._guard(x, "src")
-        x = self._placeholder(len(self.src.groups)) if x is None else x.detach()
+        x = self._placeholder(len(self.src.local_dims)) if x is None else x.detach()
         return self._run(self._fwd_program, x)
 
     def _backward(self, grad: torch.Tensor | None) -> torch.Tensor:
         """Validate ``grad`` (this rank's dst cotangent or None) and run the adjoint."""
         self._assert_live()
         self._guard(grad, "dst")
-        grad = self._placeholder(len(self.dst.groups)) if grad is None else grad.detach()
+        grad = self._placeholder(len(self.dst.local_dims)) if grad is None else grad.detach()
         return self._run(self._bwd_program, grad)
 
     def send_forward(self, x: torch.Tensor | None) -> torch.Tensor:

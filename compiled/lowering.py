@@ -32,7 +32,7 @@ from math import prod
 from typing import Any
 
 from mimo_fx.local import box_slices
-from mimo_fx.plan import Collective, Exchange, Gather, Plan, Reduce
+from mimo_fx.plan import AllReduce, Exchange, Gather, Plan, Reduce, ReduceScatter
 from mimo_fx.regions import Box, Interval, Tiling, box_volume, intersect
 
 __all__ = ["View", "Cat", "Scatter", "Op", "Program", "lower", "coalesce"]
@@ -293,7 +293,7 @@ def lower(plan: Plan, rank: int) -> Program:
         segments = Tiling.of(plan.src, plan.dims, sizes).segments(rank)
         ext = dict(zip(plan.dims, _shape(segments)))
         expand = tuple(ext[d] for d in plan.src.dims)
-        local = tuple(prod(ext[f.dim] for f in g) for g in plan.src.groups)
+        local = tuple(prod(ext[f.dim] for f in g) for g in plan.src.local_dims)
         src_expand = None if expand == local else expand
         perm = tuple(plan.src.dims.index(d) for d in plan.dims)
         src_perm = None if perm == tuple(range(len(perm))) else perm
@@ -309,7 +309,7 @@ def lower(plan: Plan, rank: int) -> Program:
         perm = tuple(plan.dims.index(d) for d in plan.dst.dims)
         out_perm = None if perm == tuple(range(len(perm))) else perm
         ext = dict(zip(plan.dims, _shape(segments)))
-        local = tuple(prod(ext[f.dim] for f in g) for g in plan.dst.groups)
+        local = tuple(prod(ext[f.dim] for f in g) for g in plan.dst.local_dims)
         out_local = None if local == tuple(ext[d] for d in plan.dst.dims) else local
     # entries nothing reads are not materialised
     first = 1
@@ -318,7 +318,7 @@ def lower(plan: Plan, rank: int) -> Program:
         ops[i] = replace(op, unpack=unpack)
         first += len(op.unpack)
     return Program(src_expand, src_perm, tuple(ops), out, out_clone, out_perm, out_local,
-                   len(plan.dst.groups))
+                   len(plan.dst.local_dims))
 
 
 def _lower_step(step, rank: int, res: _Resolver) -> Op | None:
@@ -361,28 +361,40 @@ def _lower_gather(step: Gather, rank: int, res: _Resolver) -> Op | None:
     return op
 
 
-def _lower_reduce(step: Reduce, rank: int, res: _Resolver) -> Op | None:
-    """A reduce-scatter, or an all-reduce (a reduce-scatter fused with its all-gather).
-    A rank outside the groups keeps nothing partial: its holdings are replaced by none."""
+def _reduce_group(step: Reduce, rank: int, res: _Resolver):
+    """This rank's group of a reduction, or None where it has nothing to issue. A rank
+    outside the groups, or in a group whose region is empty, keeps nothing partial: its
+    holdings are replaced by none."""
     g = _member(step.groups, rank)
     if g is None:
         res.new([], replace_all=True)
         return None
     ranks, parts = step.groups[g], step.parts[g]
     chunk = max(sum(map(box_volume, part)) for part in parts)
-    all_reduce = step.kind is Collective.ALL_REDUCE
-    if len(ranks) == 1 and (all_reduce or chunk):
+    if len(ranks) == 1 and (isinstance(step, AllReduce) or chunk):
         return None  # nothing to sum with
-    if chunk == 0:  # the whole group holds an empty region: nothing to reduce
+    if chunk == 0:
         res.new([], replace_all=True)
         return None
-    if all_reduce:
-        region = coalesce(step.regions[g])
-        pack, stack, numel = _pack(res, region)
-        blocks, unpack = _unpack(*_laid_out([region]))
-        op = Op("all_reduce", ranks, tuple(pack), stack, tuple(unpack), numel)
-        res.new(blocks, replace_all=True)
-        return op
+    return g, ranks, parts, chunk
+
+
+def _lower_all_reduce(step: AllReduce, rank: int, res: _Resolver) -> Op | None:
+    if (group := _reduce_group(step, rank, res)) is None:
+        return None
+    g, ranks, _, _ = group
+    region = coalesce(step.regions[g])
+    pack, stack, numel = _pack(res, region)
+    blocks, unpack = _unpack(*_laid_out([region]))
+    op = Op("all_reduce", ranks, tuple(pack), stack, tuple(unpack), numel)
+    res.new(blocks, replace_all=True)
+    return op
+
+
+def _lower_reduce_scatter(step: ReduceScatter, rank: int, res: _Resolver) -> Op | None:
+    if (group := _reduce_group(step, rank, res)) is None:
+        return None
+    _, ranks, parts, chunk = group
     pack, numel = [], 0
     for part in parts:
         items, _, n = _pack(res, coalesce(part), chunk)
@@ -396,4 +408,5 @@ def _lower_reduce(step: Reduce, rank: int, res: _Resolver) -> Op | None:
 
 # one lowering function per step class
 _LOWER: dict[type, Callable[[Any, int, _Resolver], Op | None]] = {
-    Exchange: _lower_exchange, Gather: _lower_gather, Reduce: _lower_reduce}
+    Exchange: _lower_exchange, Gather: _lower_gather, ReduceScatter: _lower_reduce_scatter,
+    AllReduce: _lower_all_reduce}

@@ -105,7 +105,7 @@ class Redistributor:
         # Dynamo cannot trace creating a tensor that requires grad; it requires grad so
         # that the backward (and its collectives) runs on these ranks too
         self._no_src = None if self._src_shape is not None else torch.empty(
-            (0,) * len(src.groups), dtype=dtype, device=self.device,
+            (0,) * len(src.local_dims), dtype=dtype, device=self.device,
             requires_grad=dtype.is_floating_point or dtype.is_complex)
         self._warned_func = False
         key = (src, dst, sorted(self.sizes.items()), str(dtype), tuple(grad_partial),
@@ -212,7 +212,7 @@ class Redistributor:
             f"differentiates only its arguments, so this rank will skip the backward's "
             f"collectives and ranks that run theirs will wait for it. Pass an empty tensor "
             f"that the transform differentiates instead of None, e.g. grad(step, argnums=("
-            f"0, 1))(torch.empty({(0,) * len(self.src.groups)}), w).", stacklevel=3)
+            f"0, 1))(torch.empty({(0,) * len(self.src.local_dims)}), w).", stacklevel=3)
 
     def destroy(self) -> None:
         """Release this bridge's process groups; safe to call twice."""

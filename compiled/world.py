@@ -67,7 +67,7 @@ class ProcessWorld:
         if self.calls is not None and self.rank in bridge.union:
             self.calls.append((bridge, torch.is_grad_enabled()))
         if x is None and self._anchor is not None and self.rank in bridge.union:
-            x = self._anchor.reshape(-1)[:0].reshape((0,) * len(src.groups))
+            x = self._anchor.reshape(-1)[:0].reshape((0,) * len(src.local_dims))
         y = bridge(x)
         if y is None:
             return {}

@@ -94,7 +94,7 @@ class Layout:
         object.__setattr__(self, "zigzag", _grid_order(zigzag, grid))
         object.__setattr__(self, "at", _normalise_at(at, grid, self.pattern))
         object.__setattr__(self, "split", _check_split(split, grid, self.pattern))
-        object.__setattr__(self, "_groups", groups)
+        object.__setattr__(self, "_local_dims", groups)
         self._check_axes_usage()
         # computed now, not on first use: a first use under torch.compile would trace
         # cached_property's lock (Python < 3.12), which Dynamo cannot
@@ -102,23 +102,23 @@ class Layout:
 
     # -- structure -----------------------------------------------------------------------
     @property
-    def groups(self) -> tuple[tuple[Factor, ...], ...]:
+    def local_dims(self) -> tuple[tuple[Factor, ...], ...]:
         """The local dims, each a tuple of factors (outermost first)."""
-        return self._groups  # type: ignore[attr-defined]
+        return self._local_dims  # type: ignore[attr-defined]
 
     @cached_property
     def dims(self) -> tuple[str, ...]:
         """The logical dims, in pattern order."""
-        return tuple(f.dim for g in self.groups for f in g)
+        return tuple(f.dim for g in self.local_dims for f in g)
 
     @cached_property
     def sharding(self) -> dict[str, tuple[str, ...]]:
         """``{dim: axes that shard it}`` (empty tuple for unsharded dims)."""
-        return {f.dim: f.axes for g in self.groups for f in g}
+        return {f.dim: f.axes for g in self.local_dims for f in g}
 
     @cached_property
     def sharded_axes(self) -> tuple[str, ...]:
-        return tuple(a for g in self.groups for f in g for a in f.axes)
+        return tuple(a for g in self.local_dims for f in g for a in f.axes)
 
     @cached_property
     def replicated(self) -> tuple[str, ...]:
@@ -170,7 +170,7 @@ class Layout:
             if axis in dict(self.at):
                 raise self._error(f"axis {axis!r} is both pinned (at=) and partial")
         for axis in self.zigzag:
-            owner = [f for g in self.groups for f in g if axis in f.axes]
+            owner = [f for g in self.local_dims for f in g if axis in f.axes]
             if not owner:
                 raise self._error(
                     f"zigzag axis {axis!r} does not shard any dim; write it in a group, "
@@ -224,7 +224,7 @@ class Layout:
         return (_make_layout, (self.grid, self.pattern, self.partial, dict(self.at),
                                self.zigzag, self.split))
 
-    # dataclass eq/hash use the declared fields only; _groups follows from them.
+    # dataclass eq/hash use the declared fields only; _local_dims follows from them.
 
 
 def _make_layout(grid, pattern, partial, at, zigzag, split="tensor_split") -> Layout:

@@ -30,14 +30,14 @@ def _extents(tiling: Tiling, rank: int) -> dict[str, int]:
 def local_shape(layout: Layout, tiling: Tiling, rank: int) -> tuple[int, ...]:
     """The shape of ``rank``'s local tensor under ``layout``."""
     ext = _extents(tiling, rank)
-    return tuple(prod(ext[f.dim] for f in group) for group in layout.groups)
+    return tuple(prod(ext[f.dim] for f in group) for group in layout.local_dims)
 
 
 def _check_shape(local: torch.Tensor, layout: Layout, tiling: Tiling, rank: int) -> None:
-    if local.dim() != len(layout.groups):
+    if local.dim() != len(layout.local_dims):
         raise MimoFxError(
             f"rank {rank}: local tensor has {local.dim()} dims {tuple(local.shape)} but layout "
-            f"pattern {layout.pattern!r} has {len(layout.groups)} local dims; give one tensor "
+            f"pattern {layout.pattern!r} has {len(layout.local_dims)} local dims; give one tensor "
             f"dim per pattern group"
         )
     expected = local_shape(layout, tiling, rank)
@@ -63,7 +63,7 @@ def from_canonical(canon: torch.Tensor, layout: Layout, dims: tuple[str, ...]) -
     """Inverse of :func:`to_canonical`: permute to pattern order and flatten groups."""
     expanded = canon.permute([dims.index(d) for d in layout.dims])
     ext = dict(zip(layout.dims, expanded.shape))
-    return expanded.reshape([prod(ext[f.dim] for f in g) for g in layout.groups])
+    return expanded.reshape([prod(ext[f.dim] for f in g) for g in layout.local_dims])
 
 
 def box_slices(segments: tuple[tuple[tuple[int, int], ...], ...], box: Box) -> tuple[slice, ...]:
@@ -99,13 +99,13 @@ def infer_sizes(
         raise MimoFxError(f"sizes name {unknown}, which are not dims of {layout.pattern!r}; "
                           f"its dims are {layout.dims}")
     for rank, shape in shapes.items():
-        if len(shape) != len(layout.groups):
+        if len(shape) != len(layout.local_dims):
             raise MimoFxError(
                 f"rank {rank}: local tensor has {len(shape)} dims {tuple(shape)} but layout "
-                f"{layout.pattern!r} has {len(layout.groups)} local dims; give one tensor "
+                f"{layout.pattern!r} has {len(layout.local_dims)} local dims; give one tensor "
                 f"dim per pattern group")
     sizes = dict(given)
-    for gi, group in enumerate(layout.groups):
+    for gi, group in enumerate(layout.local_dims):
         unknown_factors = [f for f in group if f.dim not in sizes]
         if not unknown_factors:
             continue
@@ -126,7 +126,7 @@ def _infer_one(layout: Layout, gi: int, factor, shapes, sizes) -> int:
     per_shard: dict[tuple[int, ...], tuple[int, int]] = {}  # shard -> (extent, rank)
     for rank, shape in shapes.items():
         others = 1
-        for f in layout.groups[gi]:
+        for f in layout.local_dims[gi]:
             if f is not factor:
                 others *= _local_extent(layout, f, sizes[f.dim], rank)
         if others == 0:

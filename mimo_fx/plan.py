@@ -45,15 +45,14 @@ from .layout import Layout
 from .regions import Box, Tiling, box_volume, intersect
 
 __all__ = [
-    "Collective", "Transfer", "Reduce", "Gather", "Exchange", "Plan", "plan", "backward_plan",
-    "check_sizes", "size_arguments", "format_bytes",
+    "Collective", "Transfer", "ReduceScatter", "AllReduce", "Reduce", "Gather", "Exchange",
+    "Plan", "plan", "backward_plan", "check_sizes", "size_arguments", "format_bytes",
 ]
 
 
 class Collective(str, Enum):
     """The collectives a plan step can lower to."""
 
-    LOCAL = "local"
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
@@ -99,19 +98,26 @@ def _shared_pairs(step, reduce: bool, gather: bool):
                     yield sender, receiver, n
 
 
+def _reduction_bound(step, factor: int):
+    """``(rank, elements)``: the bandwidth-optimal volume of a reduction per member: a
+    reduce-scatter of a region R over k ranks receives (k-1)/k of R (``factor`` 1), an
+    all-reduce twice that (``factor`` 2)."""
+    for ranks, region in zip(step.groups, step.regions):
+        k, volume = len(ranks), sum(map(box_volume, region))
+        for rank in ranks:
+            yield rank, factor * -(-(k - 1) * volume // k)
+
+
 @dataclass(frozen=True)
-class Reduce:
-    """Sum partial values inside each group.
+class ReduceScatter:
+    """Sum partial values inside each group: ``regions[g]`` is the group's common
+    region, and member ``i`` of ``groups[g]`` keeps the sum over ``parts[g][i]``."""
 
-    ``regions[g]`` is the group's common region; member ``i`` of ``groups[g]`` keeps
-    ``parts[g][i]`` (reduce-scatter) or the whole region (all-reduce, whose traffic is a
-    reduce-scatter's plus an all-gather's).
-    """
-
-    kind: Collective
     groups: tuple[tuple[int, ...], ...]
     regions: tuple[tuple[Box, ...], ...]
     parts: tuple[tuple[tuple[Box, ...], ...], ...]
+
+    kind = Collective.REDUCE_SCATTER
 
     @property
     def rank_groups(self) -> tuple[tuple[int, ...], ...]:
@@ -119,21 +125,43 @@ class Reduce:
 
     def traffic(self):
         """``(rank, elements sent, elements received)`` per member."""
-        return _shared_traffic(self, True, self.kind is Collective.ALL_REDUCE)
+        return _shared_traffic(self, True, False)
 
     def pairs(self):
         """``(sender, receiver, elements)`` per pair that exchanges anything."""
-        return _shared_pairs(self, True, self.kind is Collective.ALL_REDUCE)
+        return _shared_pairs(self, True, False)
 
     def reduction_bound(self):
-        """``(rank, elements)``: the bandwidth-optimal volume of this reduction per member
-        (a reduce-scatter of a region R over k ranks receives (k-1)/k of R; an all-reduce
-        twice that)."""
-        factor = 2 if self.kind is Collective.ALL_REDUCE else 1
-        for ranks, region in zip(self.groups, self.regions):
-            k, volume = len(ranks), sum(map(box_volume, region))
-            for rank in ranks:
-                yield rank, factor * -(-(k - 1) * volume // k)
+        return _reduction_bound(self, 1)
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """Sum partial values inside each group; every member keeps the sum over the whole
+    region ``regions[g]``. It is a reduce-scatter of ``parts[g]`` fused with the
+    all-gather of the same shares, and costs both."""
+
+    groups: tuple[tuple[int, ...], ...]
+    regions: tuple[tuple[Box, ...], ...]
+    parts: tuple[tuple[tuple[Box, ...], ...], ...]
+
+    kind = Collective.ALL_REDUCE
+
+    @property
+    def rank_groups(self) -> tuple[tuple[int, ...], ...]:
+        return self.groups
+
+    def traffic(self):
+        return _shared_traffic(self, True, True)
+
+    def pairs(self):
+        return _shared_pairs(self, True, True)
+
+    def reduction_bound(self):
+        return _reduction_bound(self, 2)
+
+
+Reduce = ReduceScatter | AllReduce  # the steps that sum partial values
 
 
 @dataclass(frozen=True)
@@ -190,7 +218,7 @@ class Exchange:
         return iter(())
 
 
-Step = Reduce | Gather | Exchange
+Step = ReduceScatter | AllReduce | Gather | Exchange
 
 
 @dataclass(frozen=True, eq=False)
@@ -486,7 +514,7 @@ def _longest_dim(tiling: Tiling, rank: int) -> str:
 
 
 def _reduce_scatter(src: Layout, hold: Tiling, axes: tuple[str, ...], need: Tiling,
-                    dst: Layout) -> tuple[Tiling, Reduce, list[Transfer]]:
+                    dst: Layout) -> tuple[Tiling, ReduceScatter, list[Transfer]]:
     """Reduce-scatter inside the partial groups, cut along the dim that gives the least
     peak per-rank traffic (reduction plus what is exchanged after it), then the least
     exchange, then the longest dim: so partial -> TP-sharded on the same dim is one
@@ -518,7 +546,7 @@ def _reduce_scatter(src: Layout, hold: Tiling, axes: tuple[str, ...], need: Tili
     assert best is not None  # k >= 2 candidates were tried
     _, refined, parts, transfers = best
     regions = tuple(hold.boxes(g[0]) for g in groups)
-    return refined, Reduce(Collective.REDUCE_SCATTER, groups, regions, parts), transfers
+    return refined, ReduceScatter(groups, regions, parts), transfers
 
 
 def _two_phase(dst: Layout, need: Tiling, axes: tuple[str, ...]) -> tuple[Tiling, Gather]:
@@ -618,8 +646,8 @@ def _classify(transfers: list[Transfer], src: Layout, dst: Layout) -> Step:
 
 def _fuse_all_reduce(steps: list[Step]) -> list[Step]:
     """reduce_scatter then all_gather of the same shares in the same groups = all_reduce."""
-    if len(steps) >= 2 and isinstance(steps[0], Reduce) and isinstance(steps[1], Gather):
+    if len(steps) >= 2 and isinstance(steps[0], ReduceScatter) and isinstance(steps[1], Gather):
         rs, ag = steps[0], steps[1]
         if rs.groups == ag.groups and rs.parts == ag.parts:
-            return [Reduce(Collective.ALL_REDUCE, rs.groups, rs.regions, rs.parts), *steps[2:]]
+            return [AllReduce(rs.groups, rs.regions, rs.parts), *steps[2:]]
     return steps

@@ -26,11 +26,12 @@ from mimo_fx.local import (
     to_canonical,
 )
 from mimo_fx.plan import (
-    Collective,
+    AllReduce,
     Exchange,
     Gather,
     Plan,
     Reduce,
+    ReduceScatter,
     backward_plan,
     plan,
     size_arguments,
@@ -52,7 +53,8 @@ class ReferenceExecutor:
             stores[rank] = [(box, canon[box_slices(segments, box)])
                             for box in product(*segments)]
         run: dict[type, Callable[[Any, dict[int, Store]], None]] = {
-            Reduce: self._reduce, Gather: self._gather, Exchange: self._exchange}
+            ReduceScatter: self._reduce_scatter, AllReduce: self._all_reduce,
+            Gather: self._gather, Exchange: self._exchange}
         for step in plan.steps:  # one method per step class
             run[type(step)](step, stores)
         dtype = tensors[0].dtype
@@ -60,14 +62,23 @@ class ReferenceExecutor:
                      for rank in plan.dst.holders)
 
     @staticmethod
-    def _reduce(step: Reduce, stores: dict[int, Store]) -> None:
+    def _sums(step: Reduce, stores: dict[int, Store]):
         for group, region, parts in zip(step.groups, step.regions, step.parts):
             summed = [torch.stack([take(stores[r], box) for r in group]).sum(0)
                       for box in region]
-            full = list(zip(region, summed))
+            yield group, parts, list(zip(region, summed))
+
+    @classmethod
+    def _reduce_scatter(cls, step: ReduceScatter, stores: dict[int, Store]) -> None:
+        for group, parts, full in cls._sums(step, stores):
             for rank, part in zip(group, parts):
-                stores[rank] = full if step.kind is Collective.ALL_REDUCE else [
-                    (box, take(full, box)) for box in part]
+                stores[rank] = [(box, take(full, box)) for box in part]
+
+    @classmethod
+    def _all_reduce(cls, step: AllReduce, stores: dict[int, Store]) -> None:
+        for group, _, full in cls._sums(step, stores):
+            for rank in group:
+                stores[rank] = full
 
     @staticmethod
     def _gather(step: Gather, stores: dict[int, Store]) -> None:

@@ -60,7 +60,7 @@ def shard_index(layout: Layout, rank: int, sizes: dict[str, int]) -> list[torch.
 
 
 def _flatten_pattern(layout: Layout) -> str:
-    groups = [" ".join(f.dim for f in g) for g in layout.groups]
+    groups = [" ".join(f.dim for f in g) for g in layout.local_dims]
     return " ".join(g if " " not in g else f"({g})" for g in groups)
 
 

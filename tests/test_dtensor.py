@@ -89,7 +89,7 @@ def _why_not_expressible(layout: Layout, sizes: dict[str, int]) -> str | None:
         return "zigzag"
     if layout.at:
         return "pins it"
-    if any(len(g) > 1 for g in layout.groups):
+    if any(len(g) > 1 for g in layout.local_dims):
         return "flattens several dims"
     if layout.split == "tensor_split" and _splits_differ(layout, sizes):
         return "DTensor's chunk rule"

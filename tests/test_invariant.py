@@ -67,12 +67,12 @@ def _inputs(rank: int, cases, step: int, mode: str):
         x, g = _data(case, index, step)
         local = shard(x, case.src).get(rank)
         if local is None and mode == "func":
-            local = torch.empty((0,) * len(case.src.groups), dtype=torch.float64)
+            local = torch.empty((0,) * len(case.src.local_dims), dtype=torch.float64)
         elif local is not None and mode == "backward":
             local = local.clone().requires_grad_()
         cot = shard(g, star(case.dst)).get(rank)
         if cot is None:
-            cot = torch.zeros((0,) * len(case.dst.groups), dtype=torch.float64)
+            cot = torch.zeros((0,) * len(case.dst.local_dims), dtype=torch.float64)
         g_src = g.permute([case.dst.dims.index(d) for d in case.src.dims])
         xs.append(local)
         cots.append(cot)

@@ -38,7 +38,7 @@ def test_parse(pattern, dims, sharding, replicated, groups):
     assert layout.dims == dims
     assert layout.sharding == sharding
     assert layout.replicated == replicated
-    assert layout.groups == groups
+    assert layout.local_dims == groups
     assert layout.sharded_axes == tuple(a for d in dims for a in sharding[d])
     assert str(layout) == pattern
 

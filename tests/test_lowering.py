@@ -138,7 +138,7 @@ def test_program_forward_and_adjoint_match_oracle(case: Case):
     x = torch.randn([case.sizes[d] for d in case.src.dims], generator=gen, dtype=torch.float64)
     g = torch.randn([case.sizes[d] for d in case.dst.dims], generator=gen, dtype=torch.float64)
     fwd = plan(case.src, case.dst, case.sizes, torch.float64)
-    ys = _run(fwd, shard(x, case.src), len(case.src.groups))
+    ys = _run(fwd, shard(x, case.src), len(case.src.local_dims))
     x_dst = x.permute([case.src.dims.index(d) for d in case.dst.dims])
     if case.dst.partial:
         held = {r: y for r, y in ys.items() if case.dst.holds(r)}
@@ -154,7 +154,7 @@ def test_program_forward_and_adjoint_match_oracle(case: Case):
                 assert y.numel() == 0, f"rank {rank} holds nothing but got {tuple(y.shape)}"
     bwd = backward_plan(case.src, case.dst, case.sizes, torch.float64)
     cots = shard(g, star(case.dst))
-    grads = _run(bwd, cots, len(case.dst.groups))
+    grads = _run(bwd, cots, len(case.dst.local_dims))
     g_src = g.permute([case.dst.dims.index(d) for d in case.src.dims])
     for rank, want in shard(g_src, star(case.src)).items():
         assert torch.equal(grads[rank], want), f"input gradient differs on rank {rank}"

@@ -325,7 +325,7 @@ def _check_expressible(layout: Layout, sizes: dict[str, int]) -> None:
     if layout.at:
         raise fail(f"at={dict(layout.at)} pins it to one pipeline stage; a DTensor lives on "
                    f"its whole mesh (use a mesh of that stage's ranks)")
-    flat = [g for g in layout.groups if len(g) > 1]
+    flat = [g for g in layout.local_dims if len(g) > 1]
     if flat:
         names = " ".join(f.dim for f in flat[0])
         raise fail(f"local dim ({names}) flattens several dims; a DTensor local tensor has one "
