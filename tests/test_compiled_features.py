@@ -190,6 +190,12 @@ def _features(rank: int, world: int) -> dict:
     y = torch.compile(f, backend="aot_eager", fullgraph=True)(x_local)
     out["prepared_under_compile"] = (None if torch.equal(y, shard(x, other)[rank])
                                      else "differs")
+    # sizes inferred from the local tensor, inside fullgraph (the prepared bridge is hit)
+    dynamo.reset()
+    y = torch.compile(lambda t: mimo_fx.redistribute(t, SRC, other), backend="aot_eager",
+                      fullgraph=True)(x_local)
+    out["inferred_under_compile"] = (None if torch.equal(y, shard(x, other)[rank])
+                                     else "differs")
     destroy_all()
     destroy_all()  # idempotent
     out["registry_empty"] = None if live_groups() == 0 else f"{live_groups()} groups left"
@@ -263,7 +269,8 @@ FEATURES = ["aot_eager_eager_matches_math", "aot_eager_graph_breaks",
             "aot_eager_compiled_equals_eager", "comm_dtype", "none_under_compile",
             "none_in_func_warns", "none_off_src", "off_both_grids", "checked_mismatch",
             "checked_ok_call", "pipelined_bridge",
-            "unprepared_under_compile", "prepared_under_compile", "registry_empty"]
+            "unprepared_under_compile", "prepared_under_compile", "inferred_under_compile",
+            "registry_empty"]
 
 
 @pytest.mark.parametrize("name", FEATURES)
