@@ -350,7 +350,7 @@ def _lower_gather(step: Gather, rank: int, res: _Resolver) -> Op | None:
     g = _member(step.groups, rank)
     if g is None:
         return None
-    ranks, parts = step.groups[g], step.parts[g]
+    ranks, parts = step.groups[g], step.shares[g]
     chunk = max(sum(map(box_volume, part)) for part in parts)
     if chunk == 0 or len(ranks) == 1:
         return None
@@ -369,7 +369,7 @@ def _reduce_group(step: Reduce, rank: int, res: _Resolver):
     if g is None:
         res.new([], replace_all=True)
         return None
-    ranks, parts = step.groups[g], step.parts[g]
+    ranks, parts = step.groups[g], step.shares[g]
     chunk = max(sum(map(box_volume, part)) for part in parts)
     if len(ranks) == 1 and (isinstance(step, AllReduce) or chunk):
         return None  # nothing to sum with

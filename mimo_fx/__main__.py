@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
         help="print the plan of one bridge, step by step and per rank"))
     explain_parser = sub.add_parser(
         "explain", formatter_class=formatter,
-        help="who sends what to whom: holdings, transfer matrix, pieces, bytes vs the lower "
+        help="who sends what to whom: holdings, transfer matrix, transfers, bytes vs the lower "
              "bound; --png draws it")
     _add_layout_options(explain_parser)
     explain_parser.add_argument("--png", metavar="FILE",

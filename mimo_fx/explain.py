@@ -2,7 +2,7 @@
 
 :func:`explain` renders a :class:`~mimo_fx.plan.Plan` for a reader: the steps, what each
 rank holds under src and needs under dst (in the pattern's own dims), a rank x rank
-matrix of bytes sent, the individual pieces, and bytes per rank against the lower bound.
+matrix of bytes sent, the individual transfers, and bytes per rank against the lower bound.
 :func:`draw_png` draws the same with matplotlib (an optional dependency, imported only
 there): the src and dst grids as rank boxes coloured by the region they hold, and the
 transfer matrix as a heat map.
@@ -35,7 +35,7 @@ from .regions import Box, Tiling
 __all__ = ["step_matrix", "transfer_matrix", "explain", "rank_table", "draw_png"]
 
 MATRIX_RANKS = 16   # print the full matrix up to this many ranks, else the heaviest pairs
-PIECES_SHOWN = 24   # all-to-all pieces listed per step
+TRANSFERS_SHOWN = 24  # all-to-all transfers listed per step
 HOLDINGS_SHOWN = 64  # ranks listed in the holdings table
 PNG_MATRIX_CELLS = 512  # above this many ranks the heat map shows blocks of ranks
 
@@ -134,16 +134,16 @@ def _matrix_text(p: Plan, matrix: dict[tuple[int, int], int]) -> str:
                                   disable_numparse=True)
 
 
-def _pieces_text(p: Plan) -> list[str]:
+def _transfers_text(p: Plan) -> list[str]:
     lines = []
     for i, step in enumerate(p.steps, 1):
         if not isinstance(step, Exchange):
             continue
-        lines.append(f"pieces of step {i} (sender -> receiver: region):")
-        for t in step.transfers[:PIECES_SHOWN]:
+        lines.append(f"transfers of step {i} (sender -> receiver: region):")
+        for t in step.transfers[:TRANSFERS_SHOWN]:
             lines.append(f"  {t.src} -> {t.dst}: {p.describe_box(t.box)}")
-        if len(step.transfers) > PIECES_SHOWN:
-            lines.append(f"  ... {len(step.transfers) - PIECES_SHOWN} more pieces")
+        if len(step.transfers) > TRANSFERS_SHOWN:
+            lines.append(f"  ... {len(step.transfers) - TRANSFERS_SHOWN} more transfers")
     return lines
 
 
@@ -154,7 +154,7 @@ def _collectives_text(p: Plan) -> str:
     for step in p.steps:
         if isinstance(step, Exchange):
             parts.append(f"{step.kind.value} over {len(step.ranks)} ranks "
-                         f"({len(step.transfers)} pieces)")
+                         f"({len(step.transfers)} transfers)")
         else:
             sizes = sorted({len(g) for g in step.groups})
             parts.append(f"{step.kind.value} in {len(step.groups)} group(s) of "
@@ -175,7 +175,7 @@ def _summary(p: Plan) -> str:
 
 
 def explain(p: Plan) -> str:
-    """A readable account of ``p``: steps, holdings, transfer matrix, pieces, bytes."""
+    """A readable account of ``p``: steps, holdings, transfer matrix, transfers, bytes."""
     matrix = transfer_matrix(p)
     sections = [
         str(p),
@@ -183,7 +183,7 @@ def explain(p: Plan) -> str:
         _summary(p),
         "what each rank holds (src) and needs (dst):\n" + _holdings(p),
         _matrix_text(p, matrix),
-        "\n".join(_pieces_text(p)),
+        "\n".join(_transfers_text(p)),
         "bytes per rank:\n" + rank_table(p),
     ]
     return "\n\n".join(s for s in sections if s) + "\n"

@@ -19,7 +19,7 @@ How a plan is built:
 4. The executor assembles every dst rank's local tensor from what it holds.
 
 An exchange whose transfers form disjoint all-gather groups is issued as all-gathers;
-a reduce-scatter followed by an all-gather of the same parts is fused into an all-reduce.
+a reduce-scatter followed by an all-gather of the same shares is fused into an all-reduce.
 Everything else is one uneven all-to-all over the union of the grids' ranks.
 
 >>> from mimo_fx import Grid, Layout
@@ -74,7 +74,7 @@ def _shared_traffic(step, reduce: bool, gather: bool):
     of the others' shares; an all-gather member receives every other share and sends
     its own to each other member; an all-reduce is both."""
     for g, ranks in enumerate(step.groups):
-        vols = [sum(map(box_volume, part)) for part in step.parts[g]]
+        vols = [sum(map(box_volume, part)) for part in step.shares[g]]
         k, total = len(ranks), sum(vols)
         for rank, vol in zip(ranks, vols):
             sent = recv = 0
@@ -89,7 +89,7 @@ def _shared_traffic(step, reduce: bool, gather: bool):
 
 def _shared_pairs(step, reduce: bool, gather: bool):
     """``(sender, receiver, elements)`` of a step over groups (see :func:`_shared_traffic`)."""
-    for ranks, parts in zip(step.groups, step.parts):
+    for ranks, parts in zip(step.groups, step.shares):
         vols = [sum(map(box_volume, part)) for part in parts]
         for i, sender in enumerate(ranks):
             for j, receiver in enumerate(ranks):
@@ -111,11 +111,11 @@ def _reduction_bound(step, factor: int):
 @dataclass(frozen=True)
 class ReduceScatter:
     """Sum partial values inside each group: ``regions[g]`` is the group's common
-    region, and member ``i`` of ``groups[g]`` keeps the sum over ``parts[g][i]``."""
+    region, and member ``i`` of ``groups[g]`` keeps the sum over ``shares[g][i]``."""
 
     groups: tuple[tuple[int, ...], ...]
     regions: tuple[tuple[Box, ...], ...]
-    parts: tuple[tuple[tuple[Box, ...], ...], ...]
+    shares: tuple[tuple[tuple[Box, ...], ...], ...]
 
     kind = Collective.REDUCE_SCATTER
 
@@ -138,12 +138,12 @@ class ReduceScatter:
 @dataclass(frozen=True)
 class AllReduce:
     """Sum partial values inside each group; every member keeps the sum over the whole
-    region ``regions[g]``. It is a reduce-scatter of ``parts[g]`` fused with the
+    region ``regions[g]``. It is a reduce-scatter of ``shares[g]`` fused with the
     all-gather of the same shares, and costs both."""
 
     groups: tuple[tuple[int, ...], ...]
     regions: tuple[tuple[Box, ...], ...]
-    parts: tuple[tuple[tuple[Box, ...], ...], ...]
+    shares: tuple[tuple[tuple[Box, ...], ...], ...]
 
     kind = Collective.ALL_REDUCE
 
@@ -166,10 +166,10 @@ Reduce = ReduceScatter | AllReduce  # the steps that sum partial values
 
 @dataclass(frozen=True)
 class Gather:
-    """All-gather inside each group: member ``i`` contributes ``parts[g][i]``."""
+    """All-gather inside each group: member ``i`` contributes ``shares[g][i]``."""
 
     groups: tuple[tuple[int, ...], ...]
-    parts: tuple[tuple[tuple[Box, ...], ...], ...]
+    shares: tuple[tuple[tuple[Box, ...], ...], ...]
 
     kind = Collective.ALL_GATHER
 
@@ -189,7 +189,7 @@ class Gather:
 
 @dataclass(frozen=True)
 class Exchange:
-    """Point-to-point pieces, issued as one uneven all-to-all over ``ranks``."""
+    """Point-to-point transfers, issued as one uneven all-to-all over ``ranks``."""
 
     transfers: tuple[Transfer, ...]
     ranks: tuple[int, ...]
@@ -349,10 +349,10 @@ class Plan:
             pairs = sorted({(t.src, t.dst) for t in step.transfers})
             shown = ", ".join(f"{s}->{d}" for s, d in pairs[:8])
             more = f", ... ({len(pairs)} pairs)" if len(pairs) > 8 else ""
-            return (f"all_to_all over {len(step.ranks)} ranks, {len(step.transfers)} pieces: "
+            return (f"all_to_all over {len(step.ranks)} ranks, {len(step.transfers)} transfers: "
                     f"{shown}{more}")
         groups = _fmt_groups(step.groups)
-        first = step.parts[0]
+        first = step.shares[0]
         shares = " | ".join(
             ", ".join(self.describe_box(b) for b in part) or "-" for part in first[:4]
         )
@@ -648,6 +648,6 @@ def _fuse_all_reduce(steps: list[Step]) -> list[Step]:
     """reduce_scatter then all_gather of the same shares in the same groups = all_reduce."""
     if len(steps) >= 2 and isinstance(steps[0], ReduceScatter) and isinstance(steps[1], Gather):
         rs, ag = steps[0], steps[1]
-        if rs.groups == ag.groups and rs.parts == ag.parts:
-            return [AllReduce(rs.groups, rs.regions, rs.parts), *steps[2:]]
+        if rs.groups == ag.groups and rs.shares == ag.shares:
+            return [AllReduce(rs.groups, rs.regions, rs.shares), *steps[2:]]
     return steps

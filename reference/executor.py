@@ -63,7 +63,7 @@ class ReferenceExecutor:
 
     @staticmethod
     def _sums(step: Reduce, stores: dict[int, Store]):
-        for group, region, parts in zip(step.groups, step.regions, step.parts):
+        for group, region, parts in zip(step.groups, step.regions, step.shares):
             summed = [torch.stack([take(stores[r], box) for r in group]).sum(0)
                       for box in region]
             yield group, parts, list(zip(region, summed))
@@ -83,7 +83,7 @@ class ReferenceExecutor:
     @staticmethod
     def _gather(step: Gather, stores: dict[int, Store]) -> None:
         incoming: dict[int, Store] = {}
-        for group, parts in zip(step.groups, step.parts):
+        for group, parts in zip(step.groups, step.shares):
             shares = [[(box, take(stores[r], box)) for box in part]
                       for r, part in zip(group, parts)]
             for rank in group:

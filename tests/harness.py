@@ -13,7 +13,7 @@ from __future__ import annotations
 from itertools import chain
 
 import torch
-from cases import Case
+from cases import Case, star
 
 from mimo_fx import Collective
 from mimo_fx.layout import Layout
@@ -23,7 +23,8 @@ from mimo_fx.reference import shard
 from mimo_fx.reference.oracle import shard_index
 from mimo_fx.regions import box_volume
 
-__all__ = ["expected_calls", "expected_output", "index_mask", "box_mask", "received"]
+__all__ = ["oracle_data", "expected_output", "expected_input_grad", "mismatch", "expected_calls",
+           "index_mask", "box_mask", "received"]
 
 
 def expected_calls(plan: Plan, rank: int) -> int:
@@ -36,8 +37,38 @@ def expected_calls(plan: Plan, rank: int) -> int:
             calls += rank in step.ranks
         else:
             calls += any(rank in g and len(g) > 1 and any(map(box_volume, chain(*parts)))
-                         for g, parts in zip(step.groups, step.parts))
+                         for g, parts in zip(step.groups, step.shares))
     return calls
+
+
+def oracle_data(case, seed: int, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global input ``x`` (src dim order) and a global cotangent ``g`` (dst dim order)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn([case.sizes[d] for d in case.src.dims], generator=gen, dtype=dtype)
+    g = torch.randn([case.sizes[d] for d in case.dst.dims], generator=gen, dtype=dtype)
+    return x, g
+
+
+def expected_input_grad(case, g: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Every src holder's input gradient for dst cotangents ``shard(g, dst*)``: the
+    oracle's ``shard(g, src*)`` in src dim order."""
+    g_src = g.permute([case.dst.dims.index(d) for d in case.src.dims])
+    return shard(g_src, star(case.src))
+
+
+def mismatch(case, got: torch.Tensor | None, want: torch.Tensor | None, what: str,
+             exact: bool | None = None) -> str | None:
+    """None when ``got`` is ``want`` (bitwise for pure data movement, close when partial
+    sums are added, unless ``exact`` says); a rank that should hold nothing must get
+    nothing or an empty tensor."""
+    if want is None:
+        return None if got is None or got.numel() == 0 else f"{what}: got {tuple(got.shape)}"
+    if got is None:
+        return f"{what}: got nothing"
+    if exact is None:
+        exact = not case.src.partial and not case.dst.partial
+    same = torch.equal(got, want) if exact else torch.allclose(got, want)
+    return None if same else f"{what} differs from the oracle"
 
 
 def expected_output(case, x: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -72,7 +103,7 @@ def received(p) -> dict[int, list]:
             for t in step.transfers:
                 out.setdefault(t.dst, []).append(t.box)
         elif isinstance(step, Gather) or step.kind is Collective.ALL_REDUCE:
-            for group, parts in zip(step.groups, step.parts):
+            for group, parts in zip(step.groups, step.shares):
                 for rank in group:
                     out.setdefault(rank, []).extend(
                         b for r, part in zip(group, parts) if r != rank for b in part)

@@ -106,16 +106,16 @@ def test_explain_prints_the_sample_matrix_and_bound(capsys):
                      r"b\[0:4\] s\[48:64\]$", out, flags=re.M)
 
 
-def test_explain_lists_pieces_of_an_all_to_all(capsys):
+def test_explain_lists_transfers_of_an_all_to_all(capsys):
     args = ["explain", "--src-grid", "tp=2,pp=2,dp=2", "--src-at", "pp=-1",
             "--dst-grid", "tp=2,cp=2,dp=2,offset=8", "--sizes", "b=8,s=64,h=32"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "pieces of step 1 (sender -> receiver: region):" in out
+    assert "transfers of step 1 (sender -> receiver: region):" in out
     # dst replica dp0 (ranks 8-11) takes samples 0:4 from src dp0's last stage (ranks 2, 3)
     pieces = re.findall(r"^  (\d+) -> (\d+): ", out, flags=re.M)
     assert pieces and all(int(d) in range(8, 12) for s, d in pieces if int(s) in (2, 3))
-    assert "all_to_all over 16 ranks (16 pieces), then all_gather in 4 group(s) of 2" in out
+    assert "all_to_all over 16 ranks (16 transfers), then all_gather in 4 group(s) of 2" in out
 
 
 def test_png_is_written(tmp_path, capsys):
