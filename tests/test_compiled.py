@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cases import CASES, Case, star
-from harness import expected_calls, expected_output
+from harness import expected_calls, expected_input_grad, expected_output, mismatch, oracle_data
 
 from mimo_fx.reference import shard
 from mimo_fx.testing import run_world
@@ -23,9 +23,7 @@ SAMPLE = [c for c in CASES if c.world <= WORLD]
 def _run_case(rank: int, case: Case, device: str = "cpu") -> str | None:
     from mimo_fx.compiled import Redistributor, trace
 
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn([case.sizes[d] for d in case.src.dims], generator=gen, dtype=torch.float64)
-    g = torch.randn([case.sizes[d] for d in case.dst.dims], generator=gen, dtype=torch.float64)
+    x, g = oracle_data(case, 0)
     bridge = Redistributor(case.src, case.dst, case.sizes, torch.float64, device=device)
     try:
         local = shard(x, case.src).get(rank)
@@ -41,15 +39,10 @@ def _run_case(rank: int, case: Case, device: str = "cpu") -> str | None:
             return f"rank {rank}: no-grad call differs from the autograd call"
         if rank not in bridge.union:
             return None if y is None else f"rank {rank} off both grids got {y!r}"
-        expected = expected_output(case, x).get(rank)
-        y = y.cpu()
-        if expected is not None:
-            exact = not case.src.partial and not case.dst.partial
-            same = torch.equal(y, expected) if exact else torch.allclose(y, expected)
-            if not same:
-                return f"forward differs on rank {rank}"
-        elif y.numel() != 0:
-            return f"rank {rank} holds nothing under dst but got {tuple(y.shape)}"
+        problem = mismatch(case, y.cpu(), expected_output(case, x).get(rank),
+                           f"rank {rank}: output")
+        if problem:
+            return problem
         if fwd_calls != expected_calls(bridge.fwd, rank):
             return f"rank {rank}: {fwd_calls} collectives, plan says " \
                    f"{expected_calls(bridge.fwd, rank)}"
@@ -61,9 +54,8 @@ def _run_case(rank: int, case: Case, device: str = "cpu") -> str | None:
             return f"rank {rank}: backward issued {bwd_calls} collectives, plan says " \
                    f"{expected_calls(bridge.bwd, rank)}"
         if local is not None:
-            g_src = g.permute([case.dst.dims.index(d) for d in case.src.dims])
-            if not torch.equal(local.grad.cpu(), shard(g_src, star(case.src))[rank]):
-                return f"input gradient differs on rank {rank}"
+            return mismatch(case, local.grad.cpu(), expected_input_grad(case, g)[rank],
+                            f"rank {rank}: input gradient", exact=True)
         return None
     finally:
         bridge.destroy()

@@ -20,8 +20,14 @@ from collections import defaultdict
 
 import pytest
 import torch
-from cases import CASES, Case, star
-from harness import expected_calls, expected_output
+from cases import CASES, star
+from harness import (
+    expected_calls,
+    expected_input_grad,
+    expected_output,
+    mismatch,
+    oracle_data,
+)
 
 from mimo_fx.reference import shard
 from mimo_fx.testing import run_world
@@ -31,13 +37,6 @@ SAMPLE = [c for c in CASES if c.world <= WORLD]
 BACKENDS = ("eager", "aot_eager", "inductor")
 MODES = ("backward", "func")
 STEPS = 3
-
-
-def _data(case: Case, index: int, step: int):
-    gen = torch.Generator().manual_seed(1000 * step + index)
-    x = torch.randn([case.sizes[d] for d in case.src.dims], generator=gen, dtype=torch.float64)
-    g = torch.randn([case.sizes[d] for d in case.dst.dims], generator=gen, dtype=torch.float64)
-    return x, g
 
 
 def _step_fn(bridges, mode: str):
@@ -64,7 +63,7 @@ def _step_fn(bridges, mode: str):
 def _inputs(rank: int, cases, step: int, mode: str):
     xs, cots, want_y, want_g = [], [], [], []
     for index, case in enumerate(cases):
-        x, g = _data(case, index, step)
+        x, g = oracle_data(case, 1000 * step + index)
         local = shard(x, case.src).get(rank)
         if local is None and mode == "func":
             local = torch.empty((0,) * len(case.src.local_dims), dtype=torch.float64)
@@ -73,22 +72,11 @@ def _inputs(rank: int, cases, step: int, mode: str):
         cot = shard(g, star(case.dst)).get(rank)
         if cot is None:
             cot = torch.zeros((0,) * len(case.dst.local_dims), dtype=torch.float64)
-        g_src = g.permute([case.dst.dims.index(d) for d in case.src.dims])
         xs.append(local)
         cots.append(cot)
         want_y.append(expected_output(case, x).get(rank))
-        want_g.append(shard(g_src, star(case.src)).get(rank))
+        want_g.append(expected_input_grad(case, g).get(rank))
     return xs, cots, want_y, want_g
-
-
-def _compare(case: Case, got, want, what: str) -> str | None:
-    if want is None:
-        return None if got is None or got.numel() == 0 else f"{what}: got {tuple(got.shape)}"
-    if got is None:
-        return f"{what}: got nothing"
-    exact = not case.src.partial and not case.dst.partial
-    same = torch.equal(got, want) if exact else torch.allclose(got, want)
-    return None if same else f"{what} differs from the oracle"
 
 
 def _world(rank: int, world: int, names: list[str], backends: tuple[str, ...]) -> dict:
@@ -121,10 +109,10 @@ def _world(rank: int, world: int, names: list[str], backends: tuple[str, ...]) -
                 problems = []
                 for i, (case, x, g, wy, wg) in enumerate(zip(cases, xs, grads, want_y, want_g)):
                     y = ys.get(i)
-                    problems.append(_compare(case, None if y is None else y.detach(), wy,
+                    problems.append(mismatch(case, None if y is None else y.detach(), wy,
                                              f"{case.name}: output"))
                     if x is not None and x.numel():
-                        problems.append(_compare(case, g, wg, f"{case.name}: input gradient"))
+                        problems.append(mismatch(case, g, wg, f"{case.name}: input gradient"))
                 out[backend, mode, s] = {
                     "calls": [(c.kind, c.ranks, c.numel_in) for c in calls],
                     "problems": [p for p in problems if p]}
