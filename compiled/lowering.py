@@ -17,7 +17,7 @@ packs e.g. two boxes adjacent along ``s`` as one copy instead of two.
 Every tensor a program creates or receives is an *entry* (numbered in creation order;
 entry 0 is the src piece). Reading a block from entries resolves to a small tree:
 a :class:`View` of one entry (no copy), a :class:`Cat` of sub-blocks along one dim (one
-copy), or a :class:`Scatter` into a new tensor (one copy, one write per piece). The
+copy), or a :class:`Scatter` into a new tensor (one copy, one write per block). The
 lowering prefers the newest entries (a received buffer often already *is* the dst piece
 in C-order: then the output costs no copy at all), and entries nothing reads are never
 materialised.
@@ -58,7 +58,7 @@ class Cat:
 
 @dataclass(frozen=True)
 class Scatter:
-    """A new tensor of ``shape`` written piece by piece: ``(entry, src, dst)`` triples."""
+    """A new tensor of ``shape`` written block by block: ``(entry, src, dst)`` triples."""
 
     shape: tuple[int, ...]
     writes: tuple[tuple[int, tuple[slice, ...], tuple[slice, ...]], ...]
@@ -214,7 +214,7 @@ def _join_writes(writes: list) -> list:
 
 
 # A Cat inside a Cat copies its elements twice; above this many elements the bytes cost
-# more than the ops saved, and the tensor is written piece by piece instead.
+# more than the ops saved, and the tensor is written block by block instead.
 NESTED_CAT_LIMIT = 1 << 15
 
 
