@@ -186,13 +186,14 @@ def test_checked_and_unchecked_ranks_fail_instead_of_pairing_wrong_data(tmp_path
     """Rank 0 checks (its header exchange runs on the check group), rank 1 does not (its
     data all-to-all runs on the data group): nothing pairs. Rank 0 times out with an
     error that names the likely cause; when it leaves, rank 1's collective fails (an
-    exception, or gloo aborting the process). Before the check had its own group, rank 1
-    returned garbage from rank 0's header."""
+    exception, or gloo aborting the process; gloo may also abort rank 0 in its teardown).
+    Before the check had its own group, rank 1 returned garbage from rank 0's header."""
     os.environ["MIMO_FX_CHECK_TIMEOUT"] = "5"
     try:
         run_world(2, _mixed, str(tmp_path), timeout=120)
-    except WorldError as err:  # rank 1 aborted by gloo: failing, not wrong data
-        assert "process 1" in str(err) or "rank 1" in str(err), err
+    except WorldError as err:  # gloo aborted a process while its peer tore down: its
+        # record below says what it saw first; a hang is still a failure
+        assert "did not finish" not in str(err), err
     finally:
         del os.environ["MIMO_FX_CHECK_TIMEOUT"]
     said = {p.stem: p.read_text() for p in tmp_path.glob("*.txt")}
