@@ -33,13 +33,17 @@ def local_shape(layout: Layout, tiling: Tiling, rank: int) -> tuple[int, ...]:
     return tuple(prod(ext[f.dim] for f in group) for group in layout.local_dims)
 
 
-def _check_shape(local: torch.Tensor, layout: Layout, tiling: Tiling, rank: int) -> None:
-    if local.dim() != len(layout.local_dims):
+def _check_ndim(shape: tuple[int, ...], layout: Layout, rank: int) -> None:
+    if len(shape) != len(layout.local_dims):
         raise MimoFxError(
-            f"rank {rank}: local tensor has {local.dim()} dims {tuple(local.shape)} but layout "
+            f"rank {rank}: local tensor has {len(shape)} dims {tuple(shape)} but layout "
             f"pattern {layout.pattern!r} has {len(layout.local_dims)} local dims; give one tensor "
             f"dim per pattern group"
         )
+
+
+def _check_shape(local: torch.Tensor, layout: Layout, tiling: Tiling, rank: int) -> None:
+    _check_ndim(tuple(local.shape), layout, rank)
     expected = local_shape(layout, tiling, rank)
     if tuple(local.shape) != expected:
         sizes = {d: t.size for d, t in zip(tiling.dims, tiling.tilings)}
@@ -99,11 +103,7 @@ def infer_sizes(
         raise MimoFxError(f"sizes name {unknown}, which are not dims of {layout.pattern!r}; "
                           f"its dims are {layout.dims}")
     for rank, shape in shapes.items():
-        if len(shape) != len(layout.local_dims):
-            raise MimoFxError(
-                f"rank {rank}: local tensor has {len(shape)} dims {tuple(shape)} but layout "
-                f"{layout.pattern!r} has {len(layout.local_dims)} local dims; give one tensor "
-                f"dim per pattern group")
+        _check_ndim(shape, layout, rank)
     sizes = dict(given)
     for gi, group in enumerate(layout.local_dims):
         unknown_factors = [f for f in group if f.dim not in sizes]
