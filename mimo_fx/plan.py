@@ -443,10 +443,14 @@ def size_arguments(src: Layout, dst: Layout, sizes, dim_sizes: dict, where: str,
             f"{', '.join(options)}); size keywords name dims only (a dim named like an "
             f"option goes in sizes={{...}})")
     for d, n in merged.items():
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise MimoFxError(f"{where}: size {d}={n!r} must be a positive integer (the "
-                              f"global size)")
+        _check_size(d, n, f"{where}: ")
     return merged
+
+
+def _check_size(dim: str, n, prefix: str = "") -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise MimoFxError(f"{prefix}size {dim}={n!r} must be a positive integer (the global "
+                          f"size)")
 
 
 def check_sizes(src: Layout, dst: Layout, sizes: dict[str, int]) -> tuple[tuple[str, int], ...]:
@@ -466,9 +470,7 @@ def check_sizes(src: Layout, dst: Layout, sizes: dict[str, int]) -> tuple[tuple[
         raise MimoFxError(f"sizes miss dims {missing} of {src.pattern!r}; pass the global "
                           f"size of every dim, e.g. {missing[0]}=...")
     for d in src.dims:
-        n = sizes[d]
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise MimoFxError(f"size {d}={n!r} must be a positive integer (global size)")
+        _check_size(d, sizes[d])
     if dst.partial:
         if dst.grid != src.grid or not set(dst.partial) <= set(src.partial):
             raise MimoFxError(
