@@ -60,8 +60,13 @@ class Layout:
             all the axes sharding the dim. ``"chunk"``: DTensor's ``torch.chunk`` rule,
             ``ceil(n / k)`` per shard with trailing shards smaller or empty, applied axis
             by axis (the outermost axis first, each cutting the previous axis's shard).
-            Both agree when every cut divides evenly. Zigzag dims ignore it (they must
-            divide evenly).
+            Both agree when every cut divides evenly. Zigzag and ragged dims ignore it.
+        ragged: axes whose dim is cut into shards of run-time lengths (e.g. a different
+            token count per DP replica): the dim's size is a tuple of *counts*
+            ``t=(c0, c1, ...)``, consecutive segments of the dim, and shard ``k`` of the
+            dim's ``N`` shards (flat over its axes, outermost first) holds segments
+            ``k*m/N ... (k+1)*m/N - 1`` of the ``m`` counts (``m`` a multiple of ``N``;
+            one count per shard, or per sample). Every axis cutting the dim is named.
     """
 
     grid: Grid
@@ -70,6 +75,7 @@ class Layout:
     at: tuple[tuple[str, int], ...]
     zigzag: tuple[str, ...]
     split: str
+    ragged: tuple[str, ...]
 
     def __init__(
         self,
@@ -80,6 +86,7 @@ class Layout:
         at: dict[str, int] | None = None,
         zigzag: tuple[str, ...] | list[str] | str = (),
         split: str = "tensor_split",
+        ragged: tuple[str, ...] | list[str] | str = (),
     ) -> None:
         if not isinstance(grid, Grid):
             raise MimoFxError(f"Layout needs a Grid as first argument, got {grid!r}")
@@ -87,6 +94,7 @@ class Layout:
             raise MimoFxError(f"Layout pattern must be a string, got {pattern!r}")
         partial = (partial,) if isinstance(partial, str) else tuple(partial)
         zigzag = (zigzag,) if isinstance(zigzag, str) else tuple(zigzag)
+        ragged = (ragged,) if isinstance(ragged, str) else tuple(ragged)
         groups = _parse(pattern, grid)
         object.__setattr__(self, "grid", grid)
         object.__setattr__(self, "pattern", " ".join(_format_group(g) for g in groups))
@@ -94,11 +102,14 @@ class Layout:
         object.__setattr__(self, "zigzag", _grid_order(zigzag, grid))
         object.__setattr__(self, "at", _normalise_at(at, grid, self.pattern))
         object.__setattr__(self, "split", _check_split(split, grid, self.pattern))
+        object.__setattr__(self, "ragged", _grid_order(ragged, grid))
         object.__setattr__(self, "_local_dims", groups)
         self._check_axes_usage()
+        self._check_ragged()
         # computed now, not on first use: a first use under torch.compile would trace
         # cached_property's lock (Python < 3.12), which Dynamo cannot
         self.dims, self.sharding, self.sharded_axes, self.replicated, self.holders  # noqa: B018
+        self.ragged_dims  # noqa: B018
 
     # -- structure -----------------------------------------------------------------------
     @property
@@ -115,6 +126,18 @@ class Layout:
     def sharding(self) -> dict[str, tuple[str, ...]]:
         """``{dim: axes that shard it}`` (empty tuple for unsharded dims)."""
         return {f.dim: f.axes for g in self.local_dims for f in g}
+
+    @cached_property
+    def ragged_dims(self) -> tuple[str, ...]:
+        """The dims cut into shards of run-time lengths (see ``ragged=``)."""
+        return tuple(d for d, axes in self.sharding.items() if axes and axes[0] in self.ragged)
+
+    def shards(self, dim: str) -> int:
+        """How many shards the axes cutting ``dim`` make (1 if none do)."""
+        n = 1
+        for axis in self.sharding[dim]:
+            n *= self.grid.axis_size(axis)
+        return n
 
     @cached_property
     def sharded_axes(self) -> tuple[str, ...]:
@@ -148,7 +171,7 @@ class Layout:
         """This layout with its partial axes replaced by ``axes``, every other field kept;
         ``with_partial()`` is the replicated form its gradients take."""
         return Layout(self.grid, self.pattern, partial=axes, at=dict(self.at),
-                      zigzag=self.zigzag, split=self.split)
+                      zigzag=self.zigzag, split=self.split, ragged=self.ragged)
 
     def _check_axes_usage(self) -> None:
         names = self.grid.names
@@ -188,6 +211,28 @@ class Layout:
                     f"axes absent from the pattern (e.g. pp)"
                 )
 
+    def _check_ragged(self) -> None:
+        names = self.grid.names
+        for axis in self.ragged:
+            if axis not in names:
+                raise self._error(f"ragged= names unknown axis {axis!r}; the grid has axes "
+                                  f"{names}")
+            owner = [f for g in self.local_dims for f in g if axis in f.axes]
+            if not owner:
+                raise self._error(f"ragged axis {axis!r} does not cut any dim; write it in a "
+                                  f"group, e.g. '({axis} t)'")
+            missing = [a for a in owner[0].axes if a not in self.ragged]
+            if missing:
+                raise self._error(
+                    f"ragged axis {axis!r} cuts {owner[0].dim!r} together with {missing}; "
+                    f"a ragged dim is cut by counts over all its axes: name them all, "
+                    f"ragged={owner[0].axes}")
+            if axis in self.zigzag:
+                raise self._error(f"axis {axis!r} is both ragged and zigzag; a zigzag cut "
+                                  f"needs equal chunks")
+        if len(set(self.ragged)) != len(self.ragged):
+            raise self._error(f"ragged={self.ragged} names an axis twice")
+
     def _error(self, message: str) -> MimoFxError:
         return MimoFxError(f"in layout {self.pattern!r} on {self.grid!r}: {message}")
 
@@ -206,6 +251,8 @@ class Layout:
             extra.append("at " + ",".join(f"{a}={i}" for a, i in self.at))
         if self.split != "tensor_split":
             extra.append(f"split {self.split}")
+        if self.ragged:
+            extra.append("ragged " + ",".join(self.ragged))
         return self.pattern + (f" [{'; '.join(extra)}]" if extra else "")
 
     def __repr__(self) -> str:
@@ -218,17 +265,20 @@ class Layout:
             args.append(f"zigzag={self.zigzag!r}")
         if self.split != "tensor_split":
             args.append(f"split={self.split!r}")
+        if self.ragged:
+            args.append(f"ragged={self.ragged!r}")
         return f"Layout({', '.join(args)})"
 
     def __reduce__(self):
         return (_make_layout, (self.grid, self.pattern, self.partial, dict(self.at),
-                               self.zigzag, self.split))
+                               self.zigzag, self.split, self.ragged))
 
     # dataclass eq/hash use the declared fields only; _local_dims follows from them.
 
 
-def _make_layout(grid, pattern, partial, at, zigzag, split="tensor_split") -> Layout:
-    return Layout(grid, pattern, partial=partial, at=at, zigzag=zigzag, split=split)
+def _make_layout(grid, pattern, partial, at, zigzag, split="tensor_split", ragged=()) -> Layout:
+    return Layout(grid, pattern, partial=partial, at=at, zigzag=zigzag, split=split,
+                  ragged=ragged)
 
 
 # -- parsing ---------------------------------------------------------------------------

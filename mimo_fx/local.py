@@ -9,6 +9,7 @@ permutes dims), and say where a global box sits inside the canonical view.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import product
 from math import prod
 
@@ -16,7 +17,7 @@ import torch
 
 from .errors import MimoFxError
 from .layout import Layout
-from .regions import Box, Tiling, intersect, shard_bounds
+from .regions import Box, Size, Tiling, intersect, ragged_bounds, shard_bounds, total
 
 __all__ = ["to_canonical", "from_canonical", "local_shape", "box_slices", "infer_sizes",
            "take", "assemble", "Store", "local_indices",
@@ -88,15 +89,24 @@ def box_slices(segments: tuple[tuple[tuple[int, int], ...], ...], box: Box) -> t
     return tuple(out)
 
 
+def _raise(ok, message) -> None:
+    if not ok:
+        raise MimoFxError(message())
+
+
 def infer_sizes(
-    layout: Layout, shapes: dict[int, tuple[int, ...]], given: dict[str, int]
-) -> dict[str, int]:
+    layout: Layout, shapes: dict[int, tuple[int, ...]], given: Mapping[str, Size],
+    check=_raise
+) -> dict[str, Size]:
     """Global dim sizes from local shapes, ``given`` first.
 
-    With every shard's shape at hand (the reference backend) uneven splits are inferred
-    exactly; from one rank's shape a sharded dim is taken as evenly split, so pass uneven
-    sizes explicitly. A group flattening several dims needs all but one of them given.
-    Replicas of one shard must agree: a rank whose shape differs is named.
+    With every shard's shape at hand (the reference backend, or the shapes a call's
+    size exchange gathers) uneven splits are inferred exactly, and a ragged dim's counts
+    (one per shard); from one rank's shape a sharded dim is taken as evenly split. A
+    group flattening several dims needs all but one of them given. Replicas of one
+    shard must agree: a rank whose shape differs is named. ``check(ok, message)``
+    rejects what does not hold (a :class:`MimoFxError` with ``message()`` by default;
+    the compiled backend passes a run-time check when the shapes are symbolic).
     """
     unknown = [d for d in given if d not in layout.dims]
     if unknown:
@@ -117,49 +127,68 @@ def infer_sizes(
                 f"as keyword sizes, e.g. {names[-1]}=..."
             )
         sizes[unknown_factors[0].dim] = _infer_one(layout, gi, unknown_factors[0], shapes,
-                                                   sizes)
+                                                   sizes, check)
     return sizes
 
 
-def _infer_one(layout: Layout, gi: int, factor, shapes, sizes) -> int:
-    """The global size of ``factor`` (the one unknown dim of local dim ``gi``)."""
+def _infer_one(layout: Layout, gi: int, factor, shapes, sizes, check=_raise) -> Size:
+    """The global size of ``factor`` (the one unknown dim of local dim ``gi``); a ragged
+    dim's counts, one per shard in flat shard order."""
     per_shard: dict[tuple[int, ...], tuple[int, int]] = {}  # shard -> (extent, rank)
     for rank, shape in shapes.items():
         others = 1
         for f in layout.local_dims[gi]:
             if f is not factor:
                 others *= _local_extent(layout, f, sizes[f.dim], rank)
-        if others == 0:
+        if isinstance(others, int) and others == 0:
             continue
         coord = layout.grid.coord(rank)
         key = tuple([coord[a] for a in factor.axes])
         extent = shape[gi] // others
+        check(extent * others == shape[gi], lambda r=rank, n=shape[gi], o=others: (
+              f"rank {r}: local dim {gi} of {layout.pattern!r} has {n} elements, "
+              f"not a multiple of {o} (the other dims it flattens); check the sizes"))
         seen = per_shard.setdefault(key, (extent, rank))
-        if seen[0] != extent:
-            raise MimoFxError(
-                f"ranks {seen[1]} and {rank} hold the same shard of {factor.dim!r} under "
-                f"{layout.pattern!r} but their local dim {gi} has {seen[0] * others} and "
-                f"{shape[gi]} elements; one of them passed the wrong tensor")
+        check(seen[0] == extent, lambda r=rank, n=shape[gi], o=others, s=seen: (
+              f"ranks {s[1]} and {r} hold the same shard of {factor.dim!r} under "
+              f"{layout.pattern!r} but their local dim {gi} has {s[0] * o} and "
+              f"{n} elements; one of them passed the wrong tensor"))
     parts = 1
     for a in factor.axes:
         parts *= layout.grid.axis_size(a)
+    if factor.dim in layout.ragged_dims:
+        if len(per_shard) < parts:
+            raise MimoFxError(
+                f"cannot infer the counts of ragged dim {factor.dim!r} in "
+                f"{layout.describe()!r}: only {len(per_shard)} of its {parts} shards have a "
+                f"piece here; pass {factor.dim}=(c0, c1, ...)")
+        return tuple(per_shard[key][0] for key in sorted(per_shard.keys()))
     if len(per_shard) == parts:
-        return sum([extent for extent, _ in per_shard.values()])
+        keys = sorted(per_shard.keys())
+        total_ = per_shard[keys[0]][0]
+        for key in keys[1:]:
+            total_ = total_ + per_shard[key][0]
+        return total_
     if per_shard:
         return max([extent for extent, _ in per_shard.values()]) * parts
     raise MimoFxError(f"cannot infer the size of {factor.dim!r} in {layout.pattern!r}; pass "
                       f"{factor.dim}=...")
 
 
-def _local_extent(layout: Layout, factor, size: int, rank: int) -> int:
+def _local_extent(layout: Layout, factor, size: Size, rank: int) -> int:
     if not factor.axes:
-        return size
+        return total(size)
     coord = layout.grid.coord(rank)
     sizes = [layout.grid.axis_size(a) for a in factor.axes]
     k = 0
     for a, n in zip(factor.axes, sizes):
         k = k * n + coord[a]
     parts = prod(sizes)
+    if factor.dim in layout.ragged_dims:
+        assert isinstance(size, tuple)
+        lo, hi = ragged_bounds(size, parts)[k]
+        return hi - lo
+    size = total(size)
     if factor.axes[0] in layout.zigzag:
         return 2 * (size // (2 * parts))
     lo, hi = shard_bounds(size, sizes, layout.split)[k]
@@ -211,9 +240,9 @@ def assemble(store: Store, segments, dtype: torch.dtype, device, check: bool = F
     return out
 
 
-def local_indices(layout: Layout, rank: int, dim: str, size: int) -> list[int]:
+def local_indices(layout: Layout, rank: int, dim: str, size: Size) -> list[int]:
     """The global indices of ``dim`` that ``rank`` holds, in local order (e.g. the
     positions of a zigzag CP chunk, for a causal mask)."""
-    sizes = {d: (size if d == dim else 1) for d in layout.dims}
+    sizes: dict[str, Size] = {d: (size if d == dim else 1) for d in layout.dims}
     tiling = Tiling.of(layout, (dim,), sizes)
     return [i for a, b in tiling.segments(rank)[0] for i in range(a, b)]

@@ -42,7 +42,7 @@ from math import prod
 
 from .errors import MimoFxError
 from .layout import Layout
-from .regions import Box, Tiling, box_volume, intersect
+from .regions import Box, Size, Tiling, box_volume, intersect, total
 
 __all__ = [
     "Collective", "Transfer", "ReduceScatter", "AllReduce", "Reduce", "Gather", "Exchange",
@@ -232,7 +232,7 @@ class Plan:
     src: Layout
     dst: Layout
     dims: tuple[str, ...]
-    sizes: tuple[tuple[str, int], ...]
+    sizes: tuple[tuple[str, Size], ...]  # ragged dims: their counts
     itemsize: int
     steps: tuple[Step, ...]
     hold: Tiling = field(repr=False)
@@ -321,9 +321,14 @@ class Plan:
         """``(kind, number of groups)`` per step, in issue order."""
         return tuple((s.kind, len(s.rank_groups)) for s in self.steps)
 
+    @property
+    def totals(self) -> dict[str, int]:
+        """Every dim's global size (a ragged dim's: the sum of its counts)."""
+        return {d: total(n) for d, n in self.sizes}
+
     # -- printing ------------------------------------------------------------------------
     def describe_box(self, box: Box) -> str:
-        sizes = dict(self.sizes)
+        sizes = self.totals
         parts = [f"{d}[{a}:{b}]" for d, (a, b) in zip(self.dims, box) if (a, b) != (0, sizes[d])]
         return " ".join(parts) or "all"
 
@@ -378,8 +383,9 @@ def format_bytes(n: float, digits: int = 1) -> str:
 
 
 # -- entry points --------------------------------------------------------------------------
-def plan(src: Layout, dst: Layout, sizes: dict[str, int], dtype=None) -> Plan:
-    """The plan moving a tensor with global ``sizes`` from ``src`` to ``dst``.
+def plan(src: Layout, dst: Layout, sizes: Mapping[str, Size], dtype=None) -> Plan:
+    """The plan moving a tensor with global ``sizes`` from ``src`` to ``dst`` (a ragged
+    dim's size is its tuple of counts).
 
     ``dtype`` is anything with an ``itemsize`` (a ``torch.dtype``); default 4 bytes.
     Pure and cached: equal arguments return the same object.
@@ -395,7 +401,7 @@ def plan(src: Layout, dst: Layout, sizes: dict[str, int], dtype=None) -> Plan:
 
 
 def backward_plan(
-    src: Layout, dst: Layout, sizes: dict[str, int], dtype=None, grad_partial=()
+    src: Layout, dst: Layout, sizes: Mapping[str, Size], dtype=None, grad_partial=()
 ) -> Plan:
     """The adjoint plan: dst cotangents -> src* (src with partial axes replicated).
 
@@ -442,19 +448,42 @@ def size_arguments(src: Layout, dst: Layout, sizes, dim_sizes: dict, where: str,
             f"dst {dst.pattern!r} (dims: {', '.join(dims)}) nor an option ("
             f"{', '.join(options)}); size keywords name dims only (a dim named like an "
             f"option goes in sizes={{...}})")
+    ragged = set(src.ragged_dims) | set(dst.ragged_dims)
     for d, n in merged.items():
-        _check_size(d, n, f"{where}: ")
+        _check_size(d, n, d in ragged, f"{where}: ")
     return merged
 
 
-def _check_size(dim: str, n, prefix: str = "") -> None:
+def _symbolic(n) -> bool:
+    """A ``torch.SymInt`` (a size under ``torch.compile``): checked at run time."""
+    return type(n).__name__ == "SymInt"
+
+
+def _check_size(dim: str, n, ragged: bool = False, prefix: str = "") -> None:
+    """A size is a positive int; a ragged dim's is its counts (non-negative ints)."""
+    if isinstance(n, list):
+        n = tuple(n)
+    if _symbolic(n):
+        return
+    if ragged:
+        if isinstance(n, tuple) and n and all(
+                _symbolic(c) or (not isinstance(c, bool) and isinstance(c, int) and c >= 0)
+                for c in n):
+            return
+        what = "a tuple" if not isinstance(n, tuple) else "a non-empty tuple"
+        raise MimoFxError(f"{prefix}dim {dim!r} is cut ragged, so its size is a tuple of "
+                          f"counts: {dim}={n!r} must be {what} of non-negative integers "
+                          f"(one per ragged shard, or per segment)")
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise MimoFxError(f"{prefix}size {dim}={n!r} must be a positive integer (the global "
-                          f"size)")
+        kind = ("a tuple of counts (it is cut ragged)" if ragged
+                else "a positive integer (the global size)")
+        raise MimoFxError(f"{prefix}size {dim}={n!r} must be {kind}")
 
 
-def check_sizes(src: Layout, dst: Layout, sizes: dict[str, int]) -> tuple[tuple[str, int], ...]:
-    """Validate dims and sizes; return the sizes as a hashable tuple in src's dim order."""
+def check_sizes(src: Layout, dst: Layout,
+                sizes: Mapping[str, Size]) -> tuple[tuple[str, Size], ...]:
+    """Validate dims and sizes; return the sizes as a hashable tuple in src's dim order
+    (a ragged dim keeps its counts as a tuple)."""
     if set(src.dims) != set(dst.dims):
         raise MimoFxError(
             f"src {src.pattern!r} and dst {dst.pattern!r} must name the same dims; "
@@ -469,8 +498,9 @@ def check_sizes(src: Layout, dst: Layout, sizes: dict[str, int]) -> tuple[tuple[
     if missing:
         raise MimoFxError(f"sizes miss dims {missing} of {src.pattern!r}; pass the global "
                           f"size of every dim, e.g. {missing[0]}=...")
+    ragged = set(src.ragged_dims) | set(dst.ragged_dims)
     for d in src.dims:
-        _check_size(d, sizes[d])
+        _check_size(d, sizes[d], d in ragged)
     if dst.partial:
         if dst.grid != src.grid or not set(dst.partial) <= set(src.partial):
             raise MimoFxError(
@@ -478,11 +508,14 @@ def check_sizes(src: Layout, dst: Layout, sizes: dict[str, int]) -> tuple[tuple[
                 f"only keep partial axes that src {src.describe()!r} already has, on the same "
                 f"grid. Make dst replicated (the values are then summed) instead"
             )
-    return tuple((d, sizes[d]) for d in src.dims)
+    return tuple((d, tuple(sizes[d]) if d in ragged else sizes[d])  # type: ignore[arg-type]
+                 for d in src.dims)
 
 
-@lru_cache(maxsize=4096)
-def _plan(src: Layout, dst: Layout, sizes: tuple[tuple[str, int], ...], itemsize: int) -> Plan:
+# bounded: a run whose sizes change every step plans many sizes, and a plan at thousands
+# of ranks holds many transfers
+@lru_cache(maxsize=64)
+def _plan(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...], itemsize: int) -> Plan:
     dims = tuple(d for d, _ in sizes)
     size_map = dict(sizes)
     hold = Tiling.of(src, dims, size_map)
@@ -494,7 +527,7 @@ def _plan(src: Layout, dst: Layout, sizes: tuple[tuple[str, int], ...], itemsize
     two_phase_axes = tuple(a for a in need.free_axes if a not in kept)
     disjoint = not set(src.grid.ranks) & set(dst.grid.ranks)
     if disjoint and prod(dst.grid.axis_size(a) for a in two_phase_axes) > 1:
-        phase_one, gather = _two_phase(dst, need, two_phase_axes)
+        phase_one, gather = _two_phase(src, dst, need, two_phase_axes)
     if reduce_axes:
         hold, reduce_step, transfers = _reduce_scatter(src, hold, reduce_axes, phase_one, dst)
         steps.append(reduce_step)
@@ -509,10 +542,14 @@ def _plan(src: Layout, dst: Layout, sizes: tuple[tuple[str, int], ...], itemsize
 
 
 # -- planning steps ------------------------------------------------------------------------
-def _longest_dim(tiling: Tiling, rank: int) -> str:
-    """The dim along which ``rank``'s region is longest (first on ties): where to cut."""
+def _longest_dim(tiling: Tiling, rank: int, ragged: frozenset[str] = frozenset()) -> str | None:
+    """The dim along which ``rank``'s region is longest (first on ties): where to cut. A
+    ragged dim is never cut (its boundaries are run-time counts); None if only those."""
     extents = [sum(b - a for a, b in seg) for seg in tiling.segments(rank)]
-    return tiling.dims[max(range(len(extents)), key=lambda i: (extents[i], -i))]
+    candidates = [i for i, d in enumerate(tiling.dims) if d not in ragged]
+    if not candidates:
+        return None
+    return tiling.dims[max(candidates, key=lambda i: (extents[i], -i))]
 
 
 def _reduce_scatter(src: Layout, hold: Tiling, axes: tuple[str, ...], need: Tiling,
@@ -522,12 +559,18 @@ def _reduce_scatter(src: Layout, hold: Tiling, axes: tuple[str, ...], need: Tili
     exchange, then the longest dim: so partial -> TP-sharded on the same dim is one
     reduce-scatter and nothing else."""
     groups = tuple(g for g in src.grid.groups(axes) if src.holds(g[0]))
-    longest = _longest_dim(hold, groups[0][0])
+    ragged = _ragged(src, dst)
+    longest = _longest_dim(hold, groups[0][0], ragged)
     extents = dict(zip(hold.dims, (sum(b - a for a, b in seg)
                                    for seg in hold.segments(groups[0][0]))))
     k = len(groups[0])
     hinted = {d for d, run in dst.sharding.items() if set(run) & set(axes)}
-    order = sorted(enumerate(hold.dims), key=lambda e: (e[1] not in hinted, e[1] != longest))
+    order = sorted(((i, d) for i, d in enumerate(hold.dims) if d not in ragged),
+                   key=lambda e: (e[1] not in hinted, e[1] != longest))
+    if not order:
+        raise MimoFxError(
+            f"src {src.describe()!r} is partial over {axes} but every dim is ragged; a "
+            f"reduce-scatter cuts a dim of known size: add one, or reduce before moving")
     best = None
     for index, dim in order:
         refined = hold.refine(dim, axes)
@@ -551,9 +594,12 @@ def _reduce_scatter(src: Layout, hold: Tiling, axes: tuple[str, ...], need: Tili
     return refined, ReduceScatter(groups, regions, parts), transfers
 
 
-def _two_phase(dst: Layout, need: Tiling, axes: tuple[str, ...]) -> tuple[Tiling, Gather]:
+def _two_phase(src: Layout, dst: Layout, need: Tiling,
+               axes: tuple[str, ...]) -> tuple[Tiling, Gather | None]:
     groups = tuple(g for g in dst.grid.groups(axes) if dst.holds(g[0]))
-    dim = _longest_dim(need, groups[0][0])
+    dim = _longest_dim(need, groups[0][0], _ragged(src, dst))
+    if dim is None:  # only ragged dims: every replica takes the whole box
+        return need, None
     refined = need.refine(dim, axes)
     parts = tuple(tuple(refined.boxes(r) for r in g) for g in groups)
     return refined, Gather(groups, parts)
@@ -609,6 +655,10 @@ def _exchange(hold: Tiling, need: Tiling, dst: Layout, kept: tuple[str, ...]) ->
                 ordinal += 1
                 transfers.append(Transfer(sender, rank, sub))
     return transfers
+
+
+def _ragged(src: Layout, dst: Layout) -> frozenset[str]:
+    return frozenset(src.ragged_dims) | frozenset(dst.ragged_dims)
 
 
 def _mixed_index(coord: tuple[int, ...], positions: list[int], grid) -> int:

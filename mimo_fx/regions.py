@@ -14,6 +14,7 @@ A box is a tuple of ``(start, stop)`` per dim, in the plan's canonical dim order
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import product
@@ -23,11 +24,33 @@ from .errors import MimoFxError
 from .grid import Grid
 from .layout import Layout
 
-__all__ = ["split_bounds", "chunk_bounds", "shard_bounds", "DimTiling", "Tiling", "Box",
-           "box_volume", "intersect"]
+__all__ = ["split_bounds", "chunk_bounds", "shard_bounds", "ragged_bounds", "DimTiling",
+           "Tiling", "Box", "box_volume", "intersect", "total", "Size"]
 
 Interval = tuple[int, int]
 Box = tuple[Interval, ...]
+Size = int | tuple[int, ...]  # a dim's global size, or the counts of a ragged dim
+
+
+def total(size: Size) -> int:
+    """A dim's global size: the size itself, or the sum of a ragged dim's counts."""
+    return sum(size) if isinstance(size, tuple) else size
+
+
+def prefix_sums(counts: tuple[int, ...]) -> list[int]:
+    out, acc = [0], 0
+    for c in counts:
+        acc += c
+        out.append(acc)
+    return out
+
+
+def ragged_bounds(counts: tuple[int, ...], parts: int) -> tuple[Interval, ...]:
+    """Per shard, the interval a ragged cut gives it: shard ``k`` of ``parts`` holds the
+    ``k``-th run of ``len(counts) // parts`` consecutive segments (empty if they are)."""
+    per = len(counts) // parts
+    edges = prefix_sums(counts)
+    return tuple((edges[k * per], edges[(k + 1) * per]) for k in range(parts))
 
 
 def split_bounds(size: int, parts: int) -> tuple[Interval, ...]:
@@ -132,13 +155,18 @@ class DimTiling:
         return DimTiling(self.size, self.axes + axes, tuple(intervals), tuple(owners))
 
 
-def _dim_tiling(size: int, axes: tuple[str, ...], grid: Grid, zigzag: bool,
-                split: str = "tensor_split") -> DimTiling:
+def _dim_tiling(size: Size, axes: tuple[str, ...], grid: Grid, zigzag: bool,
+                split: str = "tensor_split", ragged: bool = False) -> DimTiling:
+    counts, size = size, total(size)
     if not axes:
         return DimTiling(size, (), ((0, size),) if size else (), ((),) if size else ())
     sizes = [grid.axis_size(a) for a in axes]
     parts = prod(sizes)
-    if zigzag:
+    per_shard: tuple[tuple[Interval, ...], ...]
+    if ragged:
+        assert isinstance(counts, tuple) and len(counts) % parts == 0
+        per_shard = tuple((iv,) for iv in ragged_bounds(counts, parts))
+    elif zigzag:
         per_shard = zigzag_bounds(size, parts)
     else:
         per_shard = tuple((iv,) for iv in shard_bounds(size, sizes, split))
@@ -169,7 +197,8 @@ class Tiling:
     pinned: tuple[tuple[str, int], ...]
 
     @staticmethod
-    def of(layout: Layout, dims: tuple[str, ...], sizes: dict[str, int]) -> Tiling:
+    def of(layout: Layout, dims: tuple[str, ...], sizes: Mapping[str, Size]) -> Tiling:
+        """The tiling ``layout`` gives a tensor of ``sizes`` (ragged dims: their counts)."""
         zig = set(layout.zigzag)
         tilings = []
         for dim in dims:
@@ -177,14 +206,19 @@ class Tiling:
             is_zigzag = bool(axes) and axes[0] in zig
             if is_zigzag:
                 parts = prod(layout.grid.axis_size(a) for a in axes)
-                if sizes[dim] % (2 * parts):
+                n = total(sizes[dim])
+                if n % (2 * parts):
                     raise MimoFxError(
                         f"in layout {layout.pattern!r}: zigzag over {axes[0]!r} cuts dim "
                         f"{dim!r} into 2*{parts}={2 * parts} equal chunks, but {dim}="
-                        f"{sizes[dim]} is not divisible by {2 * parts}; pad {dim!r} to a "
+                        f"{n} is not divisible by {2 * parts}; pad {dim!r} to a "
                         f"multiple of {2 * parts} or drop zigzag"
                     )
-            tilings.append(_dim_tiling(sizes[dim], axes, layout.grid, is_zigzag, layout.split))
+            ragged = dim in layout.ragged_dims
+            if ragged:
+                check_counts(layout, dim, sizes[dim])
+            tilings.append(_dim_tiling(sizes[dim], axes, layout.grid, is_zigzag, layout.split,
+                                       ragged))
         return Tiling(layout.grid, dims, tuple(tilings), layout.at)
 
     @cached_property
@@ -247,3 +281,24 @@ class Tiling:
                 fixed.extend(zip(pos, owner))
             out.append((tuple(iv for iv, _ in combo), fixed))
         return out
+
+
+def check_counts(layout: Layout, dim: str, size: Size) -> None:
+    """``size`` must be counts ``layout`` can cut ``dim`` by: a tuple of non-negative ints
+    whose length is a multiple of the dim's shards."""
+    parts = layout.shards(dim)
+    if not isinstance(size, tuple):
+        raise MimoFxError(
+            f"in layout {layout.describe()!r}: dim {dim!r} is cut ragged over "
+            f"{layout.sharding[dim]}, so its size is a tuple of counts, one per shard (or "
+            f"per segment, a multiple of {parts} of them), e.g. "
+            f"{dim}={(size,) + (0,) * (parts - 1)}; got {dim}={size!r}")
+    if len(size) % parts or not size:
+        raise MimoFxError(
+            f"in layout {layout.describe()!r}: dim {dim!r} is cut into {parts} ragged shards "
+            f"but {dim}={size!r} has {len(size)} counts; give a multiple of {parts} counts "
+            f"(shard k holds the k-th run of len/{parts} consecutive counts)")
+    for c in size:
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise MimoFxError(f"in layout {layout.describe()!r}: counts {dim}={size!r} must "
+                              f"be non-negative integers")

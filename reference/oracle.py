@@ -1,10 +1,12 @@
 """The oracle: global tensor <-> per-rank pieces by plain full-tensor indexing.
 
 Written independently of the planner's region code: shards come from
-``torch.tensor_split`` / ``torch.chunk`` and ``einops.rearrange``, so tests comparing a
-plan's result with ``shard(X, dst)`` check the planner against separate math. Layouts
-with ``split="chunk"`` are cut as DTensor cuts them: ``torch.chunk`` once per axis, the
-outermost axis first, shards past the last chunk empty.
+``torch.tensor_split`` / ``torch.chunk`` / ``torch.split`` and ``einops.rearrange``, so
+tests comparing a plan's result with ``shard(X, dst)`` check the planner against
+separate math. Layouts with ``split="chunk"`` are cut as DTensor cuts them:
+``torch.chunk`` once per axis, the outermost axis first, shards past the last chunk
+empty. A ragged dim is cut by its counts (``torch.split``), each shard taking its run of
+consecutive segments: ``shard(x, layout, t=(3, 0, 5, 2))``.
 
 >>> import torch
 >>> from mimo_fx import Grid, Layout
@@ -13,6 +15,9 @@ outermost axis first, shards past the last chunk empty.
 {0: [0, 1, 6, 7], 1: [2, 3, 4, 5]}
 >>> unshard(shard(torch.arange(8), layout), layout).tolist()
 [0, 1, 2, 3, 4, 5, 6, 7]
+>>> ragged = Layout(Grid(dp=3), "(dp t)", ragged="dp")
+>>> {r: t.tolist() for r, t in shard(torch.arange(5), ragged, t=(2, 0, 3)).items()}
+{0: [0, 1], 1: [], 2: [2, 3, 4]}
 """
 
 from __future__ import annotations
@@ -25,13 +30,16 @@ import torch
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
 from mimo_fx.local import infer_sizes
+from mimo_fx.regions import total
 
 __all__ = ["shard", "unshard", "shard_index"]
 
 
-def _shard_index(layout: Layout, rank: int, dim: str, size: int) -> torch.Tensor:
-    """Global indices of ``dim`` that ``rank`` holds, in local order."""
-    index = torch.arange(size)
+def _shard_index(layout: Layout, rank: int, dim: str, size) -> torch.Tensor:
+    """Global indices of ``dim`` that ``rank`` holds, in local order (``size``: a ragged
+    dim's counts)."""
+    counts = size if isinstance(size, tuple) else None
+    index = torch.arange(sum(size) if counts is not None else size)
     axes = layout.sharding[dim]
     if not axes:
         return index
@@ -40,6 +48,14 @@ def _shard_index(layout: Layout, rank: int, dim: str, size: int) -> torch.Tensor
     k = 0
     for a in axes:
         k = k * layout.grid.axis_size(a) + coord[a]
+    if dim in layout.ragged_dims:
+        if counts is None or len(counts) % parts:
+            raise MimoFxError(f"in layout {layout.describe()!r}: ragged dim {dim!r} needs "
+                              f"counts, a multiple of {parts} of them; got {dim}={size!r}")
+        per = len(counts) // parts
+        segments = torch.split(index, list(counts))
+        return torch.cat([index[:0], *segments[k * per:(k + 1) * per]])
+    size = len(index)
     if axes[0] in layout.zigzag:
         if size % (2 * parts):
             raise MimoFxError(f"in layout {layout.pattern!r}: zigzag needs {dim}={size} "
@@ -54,7 +70,7 @@ def _shard_index(layout: Layout, rank: int, dim: str, size: int) -> torch.Tensor
     return torch.tensor_split(index, parts)[k]
 
 
-def shard_index(layout: Layout, rank: int, sizes: dict[str, int]) -> list[torch.Tensor]:
+def shard_index(layout: Layout, rank: int, sizes: dict) -> list[torch.Tensor]:
     """Per dim (pattern order), the global indices ``rank`` holds."""
     return [_shard_index(layout, rank, d, sizes[d]) for d in layout.dims]
 
@@ -64,17 +80,28 @@ def _flatten_pattern(layout: Layout) -> str:
     return " ".join(g if " " not in g else f"({g})" for g in groups)
 
 
-def shard(x: torch.Tensor, layout: Layout) -> dict[int, torch.Tensor]:
+def shard(x: torch.Tensor, layout: Layout, **counts: tuple[int, ...]) -> dict[int, torch.Tensor]:
     """Every holder's piece of the global ``x`` (dims in the pattern's order).
 
     Under a partial layout the piece at partial index 0 holds the values and the other
-    members of the partial group hold zeros, so the pieces sum to ``x``.
+    members of the partial group hold zeros, so the pieces sum to ``x``. A ragged dim
+    needs its counts as a keyword (``t=(3, 0, 5, 2)``, summing to its size).
     """
     if x.dim() != len(layout.dims):
         raise MimoFxError(f"shard: global tensor has {x.dim()} dims {tuple(x.shape)} but "
                           f"layout {layout.pattern!r} names {len(layout.dims)} dims "
                           f"{layout.dims}")
-    sizes = dict(zip(layout.dims, x.shape))
+    sizes: dict = dict(zip(layout.dims, x.shape))
+    for dim, c in counts.items():
+        if dim not in sizes or sum(c) != sizes[dim]:
+            raise MimoFxError(f"shard: counts {dim}={c!r} must name a dim of "
+                              f"{layout.pattern!r} and sum to its size "
+                              f"{sizes.get(dim, 'absent')}")
+        sizes[dim] = tuple(c)
+    missing = [d for d in layout.ragged_dims if d not in counts]
+    if missing:
+        raise MimoFxError(f"shard: {layout.describe()!r} cuts {missing} ragged; give their "
+                          f"counts, e.g. {missing[0]}=(...)")
     lhs, rhs = " ".join(layout.dims), _flatten_pattern(layout)
     out = {}
     for rank in layout.holders:
@@ -100,12 +127,12 @@ def unshard(
     if missing or extra:
         raise MimoFxError(f"unshard: layout {layout.describe()!r} on {layout.grid!r} has "
                           f"holders {list(layout.holders)}; missing {missing}, extra {extra}")
-    sizes = infer_sizes(layout, {r: tuple(t.shape) for r, t in pieces.items()}, sizes)
+    full = infer_sizes(layout, {r: tuple(t.shape) for r, t in pieces.items()}, sizes)
     rhs, lhs = " ".join(layout.dims), _flatten_pattern(layout)
     sample = next(iter(pieces.values()))
     groups = layout.grid.groups(layout.partial) if layout.partial else tuple(
         (r,) for r in layout.grid.ranks)
-    out = torch.zeros([sizes[d] for d in layout.dims], dtype=sample.dtype)
+    out = torch.zeros([total(full[d]) for d in layout.dims], dtype=sample.dtype)
     seen = torch.zeros(out.shape, dtype=torch.bool)
     for group in groups:
         if group[0] not in pieces:
@@ -113,7 +140,7 @@ def unshard(
         summed = pieces[group[0]]
         for r in group[1:]:
             summed = summed + pieces[r]
-        index = shard_index(layout, group[0], sizes)
+        index = shard_index(layout, group[0], full)
         local = {d: len(i) for d, i in zip(layout.dims, index)}
         piece = einops.rearrange(summed, f"{lhs} -> {rhs}", **local)
         where = torch.meshgrid(*index, indexing="ij")

@@ -4,7 +4,8 @@ Every case the design asks to cover, at world sizes 1 to 16: fan-in, fan-out, eq
 destination CP (zigzag), source CP, flattened ``(dp b s) h``, TP-sharded and partial
 inputs, pipeline stages on grids with pp>1, disjoint grids with a rank offset,
 overlapping grids, uneven sizes, permuted dims. The reference tests run all of them; the
-compiled backend's tests run a sample.
+compiled backend's tests run a sample. ``RAGGED`` holds the cuts by run-time counts
+(a ragged dim's size is its tuple of counts).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 from mimo_fx import Grid, Layout
 
-__all__ = ["Case", "CASES", "by_name", "case_ids", "star"]
+__all__ = ["Case", "CASES", "RAGGED", "by_name", "case_ids", "star"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,26 @@ class Case:
     @property
     def world(self) -> int:
         return max(max(self.src.grid.ranks), max(self.dst.grid.ranks)) + 1
+
+    @property
+    def counts(self) -> dict[str, tuple[int, ...]]:
+        """The ragged dims' counts (sizes given as tuples)."""
+        return {d: n for d, n in self.sizes.items() if isinstance(n, tuple)}
+
+    @property
+    def totals(self) -> dict[str, int]:
+        """Every dim's global size (a ragged dim's: the sum of its counts)."""
+        return {d: sum(n) if isinstance(n, tuple) else n for d, n in self.sizes.items()}
+
+    @property
+    def count_free(self) -> bool:
+        """Whether the plan's shape does not depend on the counts: every layout that cuts
+        a ragged dim cuts it ragged (at the counts' boundaries)."""
+        return all(not lay.sharding[d] or d in lay.ragged_dims
+                   for d in self.counts for lay in (self.src, self.dst))
+
+    def with_counts(self, **counts: tuple[int, ...]) -> Case:
+        return Case(self.name, self.src, self.dst, {**self.sizes, **counts}, self.tags)
 
 
 def L(grid: Grid, pattern: str, **kw) -> Layout:  # noqa: N802 - short table constructor
@@ -132,9 +153,47 @@ CASES: list[Case] = [
 ]
 
 
+# -- ragged cuts: a different token count per DP replica (or per sample) ----------------
+RG = {"ragged": ("dp",)}
+RAGGED: list[Case] = [
+    Case("ragged_fan_in_nested", L(ENC, "(dp t) h", **RG), L(LLM, "(dp t) h", **RG),
+         {"t": (3, 0, 5, 2), "h": 4}, ("ragged", "fan_in")),
+    Case("ragged_fan_in_replicated", L(ENC, "(dp t) h", **RG), L(LLM, "t (tp h)"),
+         {"t": (3, 0, 5, 2), "h": 4}, ("ragged", "fan_in")),
+    Case("ragged_fan_out_per_sample", L(Grid(tp=4, dp=2), "(dp t) h", **RG),
+         L(Grid(dp=8), "(dp t) h", **RG), {"t": (2, 1, 0, 3, 4, 0, 1, 2), "h": 3},
+         ("ragged", "fan_out")),
+    Case("ragged_equal_tp_sharded", L(ENC, "(dp t) (tp h)", **RG),
+         L(Grid(tp=4, dp=2), "(dp t) h", **RG), {"t": (1, 4, 2, 0), "h": 6},
+         ("ragged", "equal")),
+    Case("ragged_with_seq_zigzag", L(ENC, "(dp t) s h", **RG),
+         L(LLM, "(dp t) (cp s) h", zigzag=("cp",), **RG), {"t": (2, 1, 0, 3), "s": 8, "h": 2},
+         ("ragged", "cp")),
+    Case("ragged_partial_in", L(Grid(tp=2, dp=2), "(dp t) h", partial="tp", **RG),
+         L(Grid(tp=2, dp=2), "(dp t) h", **RG), {"t": (3, 2), "h": 4},
+         ("ragged", "partial")),
+    Case("ragged_disjoint_nested", L(Grid(dp=4), "(dp t) h", **RG),
+         L(Grid(tp=2, dp=2, offset=4), "(dp t) h", **RG), {"t": (2, 0, 3, 1), "h": 4},
+         ("ragged", "disjoint")),
+    Case("ragged_disjoint_replicated", L(Grid(tp=2, dp=2), "(dp t) h", **RG),
+         L(Grid(tp=2, offset=4), "t (tp h)"), {"t": (4, 1), "h": 4},
+         ("ragged", "disjoint")),
+    # counts that an even cut splits: the plan's shape follows the counts
+    Case("ragged_to_cp", L(ENC, "(dp t) h", **RG), L(LLM, "(cp t) h"),
+         {"t": (3, 0, 5, 2), "h": 4}, ("ragged", "cp", "count_dependent")),
+    Case("ragged_to_zigzag", L(ENC, "(dp t) h", **RG), L(LLM, "(cp t) h", zigzag=("cp",)),
+         {"t": (5, 0, 4, 3), "h": 2}, ("ragged", "cp", "count_dependent")),
+    Case("even_to_ragged", L(Grid(dp=4), "(dp t) h"), L(Grid(tp=2, dp=2), "(dp t) h", **RG),
+         {"t": (1, 6), "h": 3}, ("ragged", "count_dependent")),
+    Case("ragged_disjoint_to_cp", L(Grid(dp=2), "(dp t) h", **RG),
+         L(Grid(cp=2, offset=2), "(cp t) h"), {"t": (5, 2), "h": 3},
+         ("ragged", "disjoint", "count_dependent")),
+]
+
+
 def by_name(name: str) -> Case:
     """The table's case called ``name``."""
-    found = [c for c in CASES if c.name == name]
+    found = [c for c in CASES + RAGGED if c.name == name]
     if not found:
         raise KeyError(f"no case {name!r}; cases: {', '.join(case_ids())}")
     return found[0]
@@ -146,5 +205,4 @@ def case_ids(cases=CASES) -> list[str]:
 
 def star(layout: Layout) -> Layout:
     """The layout with partial axes replicated: what gradients w.r.t. it look like."""
-    return Layout(layout.grid, layout.pattern, at=dict(layout.at), zigzag=layout.zigzag,
-                  split=layout.split)
+    return layout.with_partial()

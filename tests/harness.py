@@ -44,8 +44,9 @@ def expected_calls(plan: Plan, rank: int) -> int:
 def oracle_data(case, seed: int, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """A global input ``x`` (src dim order) and a global cotangent ``g`` (dst dim order)."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn([case.sizes[d] for d in case.src.dims], generator=gen, dtype=dtype)
-    g = torch.randn([case.sizes[d] for d in case.dst.dims], generator=gen, dtype=dtype)
+    sizes = case.totals
+    x = torch.randn([sizes[d] for d in case.src.dims], generator=gen, dtype=dtype)
+    g = torch.randn([sizes[d] for d in case.dst.dims], generator=gen, dtype=dtype)
     return x, g
 
 
@@ -53,7 +54,7 @@ def expected_input_grad(case, g: torch.Tensor) -> dict[int, torch.Tensor]:
     """Every src holder's input gradient for dst cotangents ``shard(g, dst*)``: the
     oracle's ``shard(g, src*)`` in src dim order."""
     g_src = g.permute([case.dst.dims.index(d) for d in case.src.dims])
-    return shard(g_src, star(case.src))
+    return shard(g_src, star(case.src), **case.counts)
 
 
 def mismatch(case, got: torch.Tensor | None, want: torch.Tensor | None, what: str,
@@ -74,14 +75,15 @@ def mismatch(case, got: torch.Tensor | None, want: torch.Tensor | None, what: st
 def expected_output(case, x: torch.Tensor) -> dict[int, torch.Tensor]:
     """Every dst holder's piece of ``redistribute(shard(x, src), src, dst)``."""
     if case.dst.partial:
-        return reference_redistribute(shard(x, case.src), case.src, case.dst, **case.sizes)
+        return reference_redistribute(shard(x, case.src, **case.counts), case.src, case.dst,
+                                      **case.sizes)
     x_dst = x.permute([case.src.dims.index(d) for d in case.dst.dims])
-    return shard(x_dst, case.dst)
+    return shard(x_dst, case.dst, **case.counts)
 
 
 def index_mask(layout: Layout, rank: int, case: Case, dims) -> torch.Tensor:
     """Boolean mask (canonical = src dim order) of the global elements ``rank`` holds."""
-    mask = torch.zeros([case.sizes[d] for d in dims], dtype=torch.bool)
+    mask = torch.zeros([case.totals[d] for d in dims], dtype=torch.bool)
     if not layout.holds(rank):
         return mask
     index = dict(zip(layout.dims, shard_index(layout, rank, case.sizes)))
@@ -90,7 +92,7 @@ def index_mask(layout: Layout, rank: int, case: Case, dims) -> torch.Tensor:
 
 
 def box_mask(box, case: Case, dims) -> torch.Tensor:
-    mask = torch.zeros([case.sizes[d] for d in dims], dtype=torch.bool)
+    mask = torch.zeros([case.totals[d] for d in dims], dtype=torch.bool)
     mask[tuple(slice(a, b) for a, b in box)] = True
     return mask
 

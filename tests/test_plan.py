@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from cases import CASES, Case, by_name, case_ids
+from cases import CASES, RAGGED, Case, by_name, case_ids
 from harness import box_mask, index_mask, received
 
 from mimo_fx import Collective, Grid, Layout, plan
@@ -25,7 +25,7 @@ from mimo_fx.regions import box_volume
 ITEM = 4  # float32
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_ids())
+@pytest.mark.parametrize("case", CASES + RAGGED, ids=case_ids(CASES + RAGGED))
 def test_receivers_get_exactly_what_they_miss(case: Case):
     p = plan(case.src, case.dst, case.sizes)
     dims = case.src.dims
@@ -51,8 +51,10 @@ def test_receivers_get_exactly_what_they_miss(case: Case):
         assert p.max_recv == p.max_lower_bound
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "disjoint" in c.tags],
-                         ids=case_ids([c for c in CASES if "disjoint" in c.tags]))
+DISJOINT = [c for c in CASES + RAGGED if "disjoint" in c.tags]
+
+
+@pytest.mark.parametrize("case", DISJOINT, ids=case_ids(DISJOINT))
 def test_disjoint_grids_each_element_crosses_once(case: Case):
     p = plan(case.src, case.dst, case.sizes)
     src_ranks = set(case.src.grid.ranks)
@@ -63,7 +65,7 @@ def test_disjoint_grids_each_element_crosses_once(case: Case):
                 assert t.src in src_ranks and t.dst not in src_ranks
                 crossing += int(box_mask(t.box, case, case.src.dims).sum())
     total = 1
-    for n in case.sizes.values():
+    for n in case.totals.values():
         total *= n
     assert crossing == total
     if any(case.dst.grid.axis_size(a) > 1 for a in case.dst.replicated):
