@@ -9,48 +9,91 @@ that Dynamo traces without a graph break.
 
 from __future__ import annotations
 
-from math import prod
+from typing import Any
 
 import torch
+
+from mimo_fx.symbolic import Expr
 
 from .comm import Comm
 from .lowering import Cat, Node, Op, Program, View
 
-__all__ = ["CompiledExecutor", "issue"]
+__all__ = ["CompiledExecutor", "issue", "Numbers"]
 
 
-def _build(entries: list, node: Node) -> torch.Tensor:
+class Numbers:
+    """A program's numbers: as they are (a plain program, ``env`` None), or a template's
+    polynomials evaluated at ``env`` -- SymInts under ``torch.compile``, where a program
+    holding them cannot be built (Dynamo specialises a SymInt stored in an object)."""
+
+    def __init__(self, env: dict | None = None) -> None:
+        self.env = env
+
+    def __call__(self, x: Any) -> Any:
+        return x.eval(self.env) if self.env is not None and isinstance(x, Expr) else x
+
+    def all(self, xs: tuple) -> Any:
+        return xs if self.env is None else tuple(self(x) for x in xs)
+
+    def index(self, index: tuple[slice, ...]) -> tuple[slice, ...]:
+        if self.env is None:
+            return index
+        return tuple(slice(self(s.start), self(s.stop)) for s in index)
+
+
+PLAIN = Numbers()
+
+
+def _build(entries: list, node: Node, num: Numbers) -> torch.Tensor:
     if isinstance(node, View):
         t = entries[node.entry]
-        return t if node.index is None else t[node.index]
+        return t if node.index is None else t[num.index(node.index)]
     if isinstance(node, Cat):
-        return torch.cat([_build(entries, part) for part in node.parts], node.dim)
-    out = entries[0].new_empty(node.shape)
+        return torch.cat([_build(entries, part, num) for part in node.parts], node.dim)
+    out = entries[0].new_empty(num.all(node.shape))
     for entry, src, dst in node.writes:
-        out[dst] = entries[entry][src]
+        out[num.index(dst)] = entries[entry][num.index(src)]
     return out
 
 
-def _pack(entries: list, op: Op, wire) -> torch.Tensor:
+def _pad(entries: list, item, num: Numbers) -> torch.Tensor:
+    return entries[0].new_zeros(num(item))
+
+
+def _pack(entries: list, op: Op, wire, num: Numbers) -> torch.Tensor:
     items = op.pack
-    if len(items) == 1 and not isinstance(items[0], int):
-        flat = _build(entries, items[0]).reshape(-1)
+    if len(items) == 1 and not isinstance(items[0], int | Expr):
+        flat = _build(entries, items[0], num).reshape(-1)
     elif op.stack:
-        flat = torch.stack([_build(entries, item) for item in items
-                            if not isinstance(item, int)]).view(-1)
+        flat = torch.stack([_build(entries, item, num) for item in items
+                            if not isinstance(item, int | Expr)]).view(-1)
     elif items:
-        flat = torch.cat([entries[0].new_zeros(item) if isinstance(item, int)
-                          else _build(entries, item).reshape(-1) for item in items])
+        flat = torch.cat([_pad(entries, item, num) if isinstance(item, int | Expr)
+                          else _build(entries, item, num).reshape(-1) for item in items])
     else:
         flat = entries[0].new_zeros(0)
     return flat.to(wire) if wire is not None else flat
 
 
-def issue(comm: Comm, op: Op, flat: torch.Tensor) -> torch.Tensor:
+def issue(comm: Comm, op: Op, flat: torch.Tensor, num: Numbers = PLAIN) -> torch.Tensor:
     """Run ``op``'s collective on its packed input through ``comm``."""
     if op.kind == "all_to_all":
-        return comm.all_to_all(flat, op.out_splits, op.in_splits, op.ranks)
+        return comm.all_to_all(flat, num.all(op.out_splits), num.all(op.in_splits), op.ranks)
     return getattr(comm, op.kind)(flat, op.ranks)
+
+
+def _unpacked(flat: torch.Tensor, op: Op, num: Numbers) -> list:
+    out: list = []
+    for u in op.unpack:
+        if u is None:
+            out.append(None)
+            continue
+        offset, shape = num(u[0]), num.all(u[1])
+        n = 1
+        for k in shape:
+            n = n * k
+        out.append(flat[offset:offset + n].view(shape))
+    return out
 
 
 class CompiledExecutor:
@@ -65,29 +108,30 @@ class CompiledExecutor:
         self.comm = comm
         self.comm_dtype = comm_dtype
 
-    def run(self, program: Program, tensors: tuple[torch.Tensor, ...]):
+    def run(self, program: Program, tensors: tuple[torch.Tensor, ...], env: dict | None = None):
+        """``program`` on ``(local,)``; a template program's numbers at ``env``."""
         (local,) = tensors
+        num = PLAIN if env is None else Numbers(env)
         dtype = local.dtype
         canon = local
         if program.src_expand is not None:
-            canon = canon.reshape(program.src_expand)
+            canon = canon.reshape(num.all(program.src_expand))
         if program.src_perm is not None:
             canon = canon.permute(program.src_perm)
         entries: list[torch.Tensor | None] = [canon]
         wire = self.comm_dtype
         for op in program.ops:
-            flat = issue(self.comm, op, _pack(entries, op, wire))
+            flat = issue(self.comm, op, _pack(entries, op, wire, num), num)
             if wire is not None:
                 flat = flat.to(dtype)
-            entries += [None if u is None else flat[u[0]:u[0] + prod(u[1])].view(u[1])
-                        for u in op.unpack]
+            entries += _unpacked(flat, op, num)
         if program.out is None:
             return (local.new_empty((0,) * program.out_ndim),)
-        out = _build(entries, program.out)
+        out = _build(entries, program.out, num)
         if program.out_clone:
             out = out.clone()
         if program.out_perm is not None:
             out = out.permute(program.out_perm)
         if program.out_local is not None:
-            out = out.reshape(program.out_local)
+            out = out.reshape(num.all(program.out_local))
         return (out.contiguous(),)

@@ -27,15 +27,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import reduce
 from itertools import product
 from math import prod
 from typing import Any
 
 from mimo_fx.local import box_slices
 from mimo_fx.plan import AllReduce, Exchange, Gather, Plan, Reduce, ReduceScatter
-from mimo_fx.regions import Box, Interval, Tiling, box_volume, intersect
+from mimo_fx.regions import Box, Interval, Tiling, box_volume
+from mimo_fx.sizes import Symbolizer
+from mimo_fx.symbolic import Expr, Undecided, hint, known_ge, smax, smin
 
-__all__ = ["View", "Cat", "Scatter", "Op", "Program", "lower", "coalesce"]
+__all__ = ["View", "Cat", "Scatter", "Op", "Program", "lower", "coalesce", "at", "symbolic"]
 
 Block = tuple[tuple[Interval, ...], ...]  # per dim, intervals in storage order
 
@@ -100,6 +103,7 @@ class Program:
     out_perm: tuple[int, ...] | None    # canonical -> dst dim order (None: already so)
     out_local: tuple[int, ...] | None   # the dst local shape (None: already so)
     out_ndim: int                       # dims of the dst local tensor (also when empty)
+    src_shape: tuple[int, ...] | None = None  # the src local shape; None: holds none
 
 
 def _shape(block: Block) -> tuple[int, ...]:
@@ -142,15 +146,31 @@ def coalesce(boxes) -> list[Block]:
 
 
 def _subtract(box: Box, cut: Box) -> list[Box]:
-    """``box`` minus ``cut`` (``cut`` inside ``box``) as disjoint boxes."""
+    """``box`` minus ``cut`` (``cut`` inside ``box``) as disjoint boxes (with symbolic
+    sizes, those that may be empty for some sizes too)."""
     out, rest = [], list(box)
     for k, ((lo, hi), (a, b)) in enumerate(zip(box, cut)):
-        if lo < a:
+        if lo != a:
             out.append(tuple(rest[:k]) + ((lo, a),) + tuple(rest[k + 1:]))
-        if b < hi:
+        if b != hi:
             out.append(tuple(rest[:k]) + ((b, hi),) + tuple(rest[k + 1:]))
         rest[k] = (a, b)
     return out
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    """The common box of ``a`` and ``b``; None only when it is empty for every size."""
+    out: list[Any] = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = smax(a0, b0), smin(a1, b1)
+        if known_ge(lo, hi):
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def _empty(box: Box) -> bool:
+    return any(known_ge(lo, hi) for lo, hi in box)
 
 
 class _Resolver:
@@ -177,13 +197,14 @@ class _Resolver:
             for held in product(*block):
                 left = []
                 for box in uncovered:
-                    inter = intersect(box, held)
+                    inter = _intersect(box, held)
                     if inter is None:
                         left.append(box)
                         continue
                     writes.append((entry, box_slices(block, inter), box_slices(target, inter)))
                     left += _subtract(box, inter)
                 uncovered = left
+        uncovered = [box for box in uncovered if not _empty(box)]
         if uncovered:
             raise AssertionError(f"lowering: block {target} not held (missing {uncovered})")
         writes = _join_writes(writes)
@@ -237,7 +258,7 @@ def _tree(shape: tuple[int, ...], writes: list, blocks: dict[int, Block]) -> Nod
                 sub = [(e, s, dd[:d] + (slice(dd[d].start - lo, dd[d].stop - lo),) + dd[d + 1:])
                        for e, s, dd in writes if lo <= dd[d].start < hi]
                 parts.append(_tree(shape[:d] + (hi - lo,) + shape[d + 1:], sub, blocks))
-            if prod(shape) >= NESTED_CAT_LIMIT and any(type(p) is not View for p in parts):
+            if hint(prod(shape)) >= NESTED_CAT_LIMIT and any(type(p) is not View for p in parts):
                 break
             return Cat(d, tuple(parts))
     return Scatter(shape, tuple(writes))
@@ -284,26 +305,31 @@ def _member(groups, rank: int):
     return next((g for g, ranks in enumerate(groups) if rank in ranks), None)
 
 
-def lower(plan: Plan, rank: int) -> Program:
-    """The program ``rank`` runs for ``plan``."""
-    sizes = dict(plan.sizes)
+def lower(plan: Plan, rank: int, sym: Symbolizer | None = None) -> Program:
+    """The program ``rank`` runs for ``plan``; with ``sym`` (a template's symbolizer) its
+    numbers are polynomials in the size variables (see :mod:`mimo_fx.sizes`)."""
     res = _Resolver()
-    src_expand, src_perm = None, None
+    src_expand, src_perm, src_shape = None, None, None
     if plan.src.holds(rank):
-        segments = Tiling.of(plan.src, plan.dims, sizes).segments(rank)
+        segments = Tiling.of(plan.src, plan.dims, dict(plan.sizes)).segments(rank)
+        if sym is not None:
+            segments = sym.segments(segments)
         ext = dict(zip(plan.dims, _shape(segments)))
         expand = tuple(ext[d] for d in plan.src.dims)
-        local = tuple(prod(ext[f.dim] for f in g) for g in plan.src.local_dims)
-        src_expand = None if expand == local else expand
+        src_shape = tuple(prod(ext[f.dim] for f in g) for g in plan.src.local_dims)
+        src_expand = None if expand == src_shape else expand
         perm = tuple(plan.src.dims.index(d) for d in plan.dims)
         src_perm = None if perm == tuple(range(len(perm))) else perm
         res.new([segments])
     else:
         res.count = 1  # entry 0 is the (empty) placeholder
-    ops = [op for step in plan.steps if (op := _lower_step(step, rank, res)) is not None]
+    steps = plan.steps if sym is None else tuple(sym.step(s, rank) for s in plan.steps)
+    ops = [op for step in steps if (op := _lower_step(step, rank, res)) is not None]
     out, out_clone, out_perm, out_local = None, False, None, None
     if plan.dst.holds(rank):
         segments = plan.need.segments(rank)
+        if sym is not None:
+            segments = sym.segments(segments)
         out = res.read(segments)
         out_clone = isinstance(out, View) and out.entry == 0
         perm = tuple(plan.dims.index(d) for d in plan.dst.dims)
@@ -318,7 +344,7 @@ def lower(plan: Plan, rank: int) -> Program:
         ops[i] = replace(op, unpack=unpack)
         first += len(op.unpack)
     return Program(src_expand, src_perm, tuple(ops), out, out_clone, out_perm, out_local,
-                   len(plan.dst.local_dims))
+                   len(plan.dst.local_dims), src_shape)
 
 
 def _lower_step(step, rank: int, res: _Resolver) -> Op | None:
@@ -351,12 +377,33 @@ def _lower_gather(step: Gather, rank: int, res: _Resolver) -> Op | None:
     if g is None:
         return None
     ranks, parts = step.groups[g], step.shares[g]
-    chunk = max(sum(map(box_volume, part)) for part in parts)
-    if chunk == 0 or len(ranks) == 1:
+    volumes: list[Any] = [sum(map(box_volume, part)) for part in parts]
+    if len(ranks) == 1 or all(v == 0 for v in volumes):
         return None
+    try:
+        chunk = reduce(smax, volumes)
+    except Undecided:  # shares whose sizes order differently for different counts
+        return _gather_as_all_to_all(ranks, parts, volumes, rank, res)
     pack, stack, numel = _pack(res, coalesce(parts[ranks.index(rank)]), chunk)
     blocks, unpack = _unpack(*_laid_out([coalesce(p) for p in parts], chunk))
     op = Op("all_gather", ranks, tuple(pack), stack, tuple(unpack), numel)
+    res.new(blocks)
+    return op
+
+
+def _gather_as_all_to_all(ranks, parts, volumes, rank: int, res: _Resolver) -> Op:
+    """An all-gather of shares with no common largest size (ragged counts): each member
+    sends its share to every other member in one all-to-all over the same group, so no
+    share is padded to a size the counts do not fix."""
+    me = ranks.index(rank)
+    own = coalesce(parts[me])
+    others = [j for j in range(len(ranks)) if j != me]
+    pack, _, _ = _pack(res, own * len(others))
+    blocks, unpack = _unpack(*_laid_out([coalesce(parts[j]) for j in others]))
+    op = Op("all_to_all", ranks, tuple(pack), False, tuple(unpack),
+            volumes[me] * len(others),
+            tuple(0 if j == me else volumes[me] for j in range(len(ranks))),
+            tuple(0 if j == me else volumes[j] for j in range(len(ranks))))
     res.new(blocks)
     return op
 
@@ -370,8 +417,9 @@ def _reduce_group(step: Reduce, rank: int, res: _Resolver):
         res.new([], replace_all=True)
         return None
     ranks, parts = step.groups[g], step.shares[g]
-    chunk = max(sum(map(box_volume, part)) for part in parts)
-    if len(ranks) == 1 and (isinstance(step, AllReduce) or chunk):
+    volumes: list[Any] = [sum(map(box_volume, part)) for part in parts]
+    chunk = reduce(smax, volumes)
+    if len(ranks) == 1 and (isinstance(step, AllReduce) or chunk != 0):
         return None  # nothing to sum with
     if chunk == 0:
         res.new([], replace_all=True)
@@ -410,3 +458,38 @@ def _lower_reduce_scatter(step: ReduceScatter, rank: int, res: _Resolver) -> Op 
 _LOWER: dict[type, Callable[[Any, int, _Resolver], Op | None]] = {
     Exchange: _lower_exchange, Gather: _lower_gather, ReduceScatter: _lower_reduce_scatter,
     AllReduce: _lower_all_reduce}
+
+
+# -- numbers of a template program ------------------------------------------------------
+def symbolic(program: Program) -> bool:
+    """Whether ``program``'s numbers are polynomials (it was lowered from a template)."""
+    return any(isinstance(x, Expr) for x in _numbers(program))
+
+
+def _numbers(obj: Any):
+    if isinstance(obj, Expr):
+        yield obj
+    elif isinstance(obj, slice):
+        yield from (obj.start, obj.stop)
+    elif isinstance(obj, tuple):
+        for item in obj:
+            yield from _numbers(item)
+    elif isinstance(obj, View | Cat | Scatter | Op | Program):
+        for name in obj.__dataclass_fields__:
+            yield from _numbers(getattr(obj, name))
+
+
+def at(obj: Any, env) -> Any:
+    """``obj`` (a program or any part of one) with every polynomial evaluated at ``env``:
+    a plain program for one set of sizes (built eagerly; under ``torch.compile`` the
+    executor evaluates the numbers itself, see :class:`~.executor.Numbers`)."""
+    if isinstance(obj, Expr):
+        return obj.eval(env)
+    if isinstance(obj, slice):
+        return slice(at(obj.start, env), at(obj.stop, env))
+    if isinstance(obj, tuple):
+        return tuple(at(item, env) for item in obj)
+    if isinstance(obj, View | Cat | Scatter | Op | Program):
+        return replace(obj, **{name: at(getattr(obj, name), env)
+                               for name in obj.__dataclass_fields__})
+    return obj

@@ -1,0 +1,150 @@
+"""Templates: one lowered program per rank serves every size of its regime.
+
+A template is the plan pair at template sizes whose lowered programs hold polynomials
+in the sizes (:mod:`mimo_fx.sizes`, :mod:`mimo_fx.symbolic`). Here every rank's
+template program runs in threads (collectives emulated, see ``threads.py``) at sizes
+other than the template's -- several multiples of the granules for even dims, random
+counts (zero-length shards included) for ragged dims -- both evaluated eagerly
+(``lowering.at``) and evaluated by the executor on the fly (as under
+``torch.compile``), and every output and input gradient must equal the oracle's
+``shard(X, dst)`` / ``shard(G, src*)`` for *those* sizes, bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+from cases import CASES, RAGGED, Case, case_ids, star
+from harness import expected_input_grad, expected_output, mismatch, oracle_data
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from threads import run_programs
+
+from mimo_fx import Grid, Layout
+from mimo_fx.compiled import lowering
+from mimo_fx.reference import shard
+from mimo_fx.sizes import Template
+from mimo_fx.symbolic import Expr, Undecided, known_ge, smax
+
+EVEN = [c for c in CASES if "uneven" not in c.tags]
+COUNT_FREE = [c for c in RAGGED if c.count_free]
+
+
+def _template(case: Case, free=None) -> Template | None:
+    free = tuple(case.src.dims) if free is None else free
+    return Template.build(case.src, case.dst, case.sizes, 8, (), free)
+
+
+def _programs(t: Template, case: Case) -> tuple[dict, dict]:
+    ranks = sorted(set(case.src.grid.ranks) | set(case.dst.grid.ranks))
+    return ({r: lowering.lower(t.fwd, r, t.fwd_sym) for r in ranks},
+            {r: lowering.lower(t.bwd, r, t.bwd_sym) for r in ranks})
+
+
+def _check_at(case: Case, t: Template, programs, seed: int) -> list[str]:
+    """Run the template's programs at ``case.sizes`` (both ways) against the oracle."""
+    assert t.fits(case.sizes), (t.describe(), case.sizes)
+    env = t.env(case.sizes)
+    x, g = oracle_data(case, seed)
+    want_y, want_g = expected_output(case, x), expected_input_grad(case, g)
+    pieces, cots = shard(x, case.src, **case.counts), shard(g, star(case.dst), **case.counts)
+    fwd, bwd = programs
+    problems = []
+    for how in ("evaluated", "on the fly"):
+        if how == "evaluated":
+            ys = run_programs({r: lowering.at(p, env) for r, p in fwd.items()}, pieces,
+                              len(case.src.local_dims))
+            gs = run_programs({r: lowering.at(p, env) for r, p in bwd.items()}, cots,
+                              len(case.dst.local_dims))
+        else:
+            ys = run_programs(fwd, pieces, len(case.src.local_dims), env)
+            gs = run_programs(bwd, cots, len(case.dst.local_dims), env)
+        for r in ys:
+            problems.append(mismatch(case, ys[r], want_y.get(r), f"{how} rank {r}: output"))
+        for r, w in want_g.items():
+            problems.append(mismatch(case, gs[r], w, f"{how} rank {r}: input gradient",
+                                     exact=not case.src.partial))
+    return [p for p in problems if p]
+
+
+@pytest.mark.parametrize("case", EVEN, ids=case_ids(EVEN))
+def test_even_template_serves_other_multiples_of_its_granules(case: Case):
+    t = _template(case)
+    assert t is not None, "an evenly cut case has a template"
+    programs = _programs(t, case)
+    for k, scale in enumerate((1, 2, 3)):
+        sizes = {d: t.granules[d] * (scale + i) for i, d in enumerate(t.granules)}
+        problems = _check_at(Case(case.name, case.src, case.dst, sizes), t, programs, k)
+        assert not problems, (sizes, problems)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "uneven" in c.tags],
+                         ids=case_ids([c for c in CASES if "uneven" in c.tags]))
+def test_uneven_cuts_give_no_template(case: Case):
+    assert _template(case) is None
+
+
+@pytest.mark.parametrize("case", [c for c in RAGGED if not c.count_free],
+                         ids=case_ids([c for c in RAGGED if not c.count_free]))
+def test_a_ragged_dim_an_even_layout_cuts_gives_no_template(case: Case):
+    assert _template(case) is None
+    assert _template(case, free=tuple(d for d in case.src.dims if d not in case.counts))
+
+
+@st.composite
+def _ragged_case(draw):
+    case = draw(st.sampled_from(COUNT_FREE))
+    counts = {d: tuple(draw(st.lists(st.integers(0, 4), min_size=len(c), max_size=len(c))))
+              for d, c in case.counts.items()}
+    scale = draw(st.integers(1, 3))
+    return case, counts, scale
+
+
+_PROGRAMS: dict[str, tuple] = {}
+
+
+@settings(max_examples=40, deadline=None)
+@given(_ragged_case(), st.integers(0, 100))
+def test_ragged_template_serves_every_count(drawn, seed: int):
+    case, counts, scale = drawn
+    t = _template(case)
+    assert t is not None
+    if case.name not in _PROGRAMS:
+        _PROGRAMS[case.name] = _programs(t, case)
+    sizes = {**case.sizes, **counts,
+             **{d: n * scale for d, n in t.granules.items()}}
+    assert not _check_at(Case(case.name, case.src, case.dst, sizes), t,
+                         _PROGRAMS[case.name], seed)
+
+
+def test_fixed_dims_are_constants_and_only_free_ones_vary():
+    src = Layout(Grid(tp=2, dp=4), "(dp b) s h")
+    dst = Layout(Grid(tp=2, cp=2, dp=2), "(dp b) (cp s) h", zigzag="cp")
+    t = Template.build(src, dst, {"b": 8, "s": 16, "h": 6}, 4, (), free=("s",))
+    assert t.variables == (("u", "s"),) and t.granules == {"s": 4}
+    assert not t.fits({"b": 8, "s": 18, "h": 6})
+    program = lowering.lower(t.fwd, 0, t.fwd_sym)
+    assert lowering.symbolic(program)
+    assert not lowering.symbolic(lowering.at(program, t.env({"b": 8, "s": 40, "h": 6})))
+
+
+def test_template_granules_follow_the_planner_s_own_cuts():
+    """Disjoint grids with dst replicas: each replica takes a share of the longest dim
+    (h, fixed here) and gathers the rest, so h's cut adds nothing to s's granule."""
+    src = Layout(Grid(tp=2, dp=2), "(dp b) s h")
+    dst = Layout(Grid(tp=2, cp=2, offset=4), "b (cp s) h", zigzag="cp")
+    t = Template.build(src, dst, {"b": 4, "s": 16, "h": 64}, 4, (), free=("b", "s"))
+    assert t.granules == {"b": 2, "s": 4}
+
+
+def test_polynomials_decide_only_what_holds_for_every_size():
+    u = Expr.var(("u", "s"), 4)
+    c0, c1 = Expr.var(("c", "t", 0), 2), Expr.var(("c", "t", 1), 3)
+    assert known_ge(3 * u, 2 * u) and not known_ge(2 * u, 3 * u)
+    assert known_ge(c0 + c1, c0) and not known_ge(c0, 1)  # a count may be 0
+    assert c0 < c0 + c1 and smax(c0, c0 + c1) == c0 + c1    # positions that may coincide
+    with pytest.raises(Undecided):
+        smax(c0, c1)                                         # no order for every count
+    with pytest.raises(TypeError, match="no truth value"):
+        bool(u)
+    assert (u - u) == 0 and isinstance(u - u, int)
+    assert (2 * u * c0).eval({("u", "s"): 5, ("c", "t", 0): 7}) == 70
