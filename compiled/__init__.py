@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
-from mimo_fx.local import infer_sizes
 from mimo_fx.plan import size_arguments
 
 from .executor import CompiledExecutor
@@ -34,19 +33,28 @@ OPTIONS = ("sizes", "grad_partial", "comm_dtype", "checked", "dtype")
 _PREPARED: dict[tuple, Redistributor] = {}
 
 
-def _key(src, dst, sizes, dtype, grad_partial, comm_dtype, checked):
-    return (src, dst, tuple(sorted(sizes.items())), dtype, tuple(grad_partial), comm_dtype,
-            checked)
+def _key(src, dst, dtype, grad_partial, comm_dtype, checked):
+    # no sizes: the facade's bridges take them per call (under torch.compile they may be
+    # symbolic, so they could not be a key)
+    return (src, dst, dtype, tuple(grad_partial), comm_dtype, checked)
 
 
-def prepare(src: Layout, dst: Layout, sizes: dict[str, int], dtype=torch.float32, *,
+def prepare(src: Layout, dst: Layout, sizes: dict | None = None, dtype=torch.float32, *,
             grad_partial=(), comm_dtype=None, checked: bool = False) -> Redistributor:
-    """Create (once) the prepared redistribution that :func:`redistribute` will use."""
-    key = _key(src, dst, sizes, dtype, grad_partial, comm_dtype, checked)
-    if key not in _PREPARED:
-        _PREPARED[key] = Redistributor(src, dst, sizes, dtype, grad_partial=grad_partial,
-                                       comm_dtype=comm_dtype, checked=checked)
-    return _PREPARED[key]
+    """Create (once) the bridge :func:`redistribute` uses for these layouts and options.
+    ``sizes`` pins those dims (calls then give them or nothing, and exchange nothing for
+    them); the others are given or learned per call."""
+    key = _key(src, dst, dtype, grad_partial, comm_dtype, checked)
+    bridge = _PREPARED.get(key)
+    if bridge is None:
+        bridge = _PREPARED[key] = Redistributor(
+            src, dst, sizes, dtype, grad_partial=grad_partial, comm_dtype=comm_dtype,
+            checked=checked)
+    elif sizes and size_arguments(src, dst, sizes, {}, "prepare", OPTIONS) != bridge.fixed:
+        raise MimoFxError(f"prepare: {src.describe()!r} -> {dst.describe()!r} is already "
+                          f"prepared with sizes {bridge.fixed}, not {sizes}; call "
+                          f"mimo_fx.compiled.destroy() first, or use a Redistributor")
+    return bridge
 
 
 def redistribute(x: torch.Tensor | None, src: Layout, dst: Layout, *, sizes=None,
@@ -55,34 +63,28 @@ def redistribute(x: torch.Tensor | None, src: Layout, dst: Layout, *, sizes=None
     """This rank's part of ``redistribute``.
 
     Global sizes come from ``sizes={dim: n}`` and size keywords (``b=8``); those not
-    given are inferred from ``x`` (sharded dims as evenly split: pass uneven sizes).
-    Options are keyword-only; a keyword that is neither an option nor a dim raises.
+    given are learned from the ranks holding src (one small all-gather of their shapes;
+    every rank gives the same set of sizes). Options are keyword-only; a keyword that is
+    neither an option nor a dim raises.
     """
     given = size_arguments(src, dst, sizes, dim_sizes, "redistribute", OPTIONS)
     if not dist.is_initialized():
         raise MimoFxError("redistribute on a single tensor needs torch.distributed "
                           "initialised; for a whole world in one process pass a dict "
                           "{rank: tensor} (reference backend)")
-    rank = dist.get_rank()
-    if isinstance(x, torch.Tensor) and src.holds(rank) and len(given) < len(src.dims):
-        given = infer_sizes(src, {rank: tuple(x.shape)}, given)
-    missing = [d for d in src.dims if d not in given]
-    if missing:
-        raise MimoFxError(f"rank {rank} holds no piece of src {src.pattern!r}, so it cannot "
-                          f"infer sizes: pass {', '.join(f'{d}=...' for d in missing)}")
     if dtype is None:
         dtype = x.dtype if isinstance(x, torch.Tensor) else torch.float32
-    key = _key(src, dst, given, dtype, grad_partial, comm_dtype, checked)
+    key = _key(src, dst, dtype, grad_partial, comm_dtype, checked)
     bridge = _PREPARED.get(key)
     if bridge is None:
         if torch.compiler.is_compiling():
             raise MimoFxError(
                 "redistribute under torch.compile needs its process groups prepared first: "
-                "call mimo_fx.compiled.prepare(src, dst, sizes, dtype) on every rank before "
+                "call mimo_fx.compiled.prepare(src, dst, dtype=...) on every rank before "
                 "compiling (or use a Redistributor)")
-        bridge = prepare(src, dst, given, dtype, grad_partial=grad_partial,
+        bridge = prepare(src, dst, None, dtype, grad_partial=grad_partial,
                          comm_dtype=comm_dtype, checked=checked)
-    return bridge(x)
+    return bridge(x, given)
 
 
 def destroy() -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["Expect", "inspect", "problem_text", "Header", "fingerprint", "MAGIC", "OK",
-           "HEADER_LEN"]
+           "HEADER_LEN", "dtype_code"]
 
 OK, NONE_HOLDS, NOT_EMPTY, NOT_TENSOR, SHAPE, DTYPE, DEVICE = range(7)
 MAGIC = 0x6D696D6F  # "mimo": a header, not data
@@ -91,8 +91,9 @@ def fingerprint(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
-def _dtype_code(dtype) -> int:
-    return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF
+def dtype_code(dtype) -> int:
+    """A small number naming ``dtype`` (a table lookup, so it traces)."""
+    return _DTYPE_CODES.get(dtype, len(_DTYPES) + 1)
 
 
 def _device_code(device) -> int:
@@ -105,7 +106,7 @@ class Header:
     @staticmethod
     def encode(x, code: int, print_: int) -> list[int]:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else ()
-        dtype = _dtype_code(x.dtype) if isinstance(x, torch.Tensor) else 0
+        dtype = dtype_code(x.dtype) if isinstance(x, torch.Tensor) else 0
         device = _device_code(x.device) if isinstance(x, torch.Tensor) else 0
         dims = list(shape[:MAX_DIMS]) + [0] * (MAX_DIMS - min(len(shape), MAX_DIMS))
         return [MAGIC, print_, code, dtype, device, len(shape), *dims]
@@ -115,7 +116,7 @@ class Header:
                  expects: dict[int, Expect]) -> list[str]:
         """Messages for every rank whose header shows a problem."""
         out = []
-        dtypes = {_dtype_code(d): d for d in _DTYPES}
+        dtypes = {dtype_code(d): d for d in _DTYPES}
         for rank, row in zip(ranks, rows):
             magic, theirs, code, dtype, device, ndim, *dims = row
             if magic != MAGIC:
@@ -135,3 +136,4 @@ class Header:
 _DTYPES = [getattr(torch, n) for n in ("float64", "float32", "float16", "bfloat16", "int64",
                                        "int32", "int16", "int8", "uint8", "bool",
                                        "complex64", "complex128")]
+_DTYPE_CODES = {d: i + 1 for i, d in enumerate(_DTYPES)}

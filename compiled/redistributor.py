@@ -6,13 +6,27 @@ and binds them to a comm over those groups. A call validates its tensor (see
 :mod:`.guard`), then runs the forward program through the custom vjp, whose backward
 runs the adjoint program. Everything a call does is tensor ops and ordered collectives,
 so it traces under ``torch.compile(fullgraph=True)``.
+
+Sizes. Dims whose sizes the bridge is built with are *fixed*; the others are *free*:
+a call gives them (``bridge(x, s=4096)``) or, where it does not, every rank learns
+them from the ranks holding src (one small all-gather of int64 shapes, see
+:mod:`.learn`). A bridge with free dims plans once, at sizes its layouts choose, a
+*template* (:mod:`mimo_fx.sizes`) whose lowered programs hold polynomials in the sizes:
+every size the template serves (free even sizes multiples of ``bridge.granules``) runs
+those programs with no planning, and under ``torch.compile`` one graph serves them all.
+Other sizes (uneven cuts, counts that an even cut splits) are planned one by one and
+cached (a bounded cache); under ``torch.compile`` each such size is its own graph.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import warnings
+from collections import OrderedDict
+from math import lcm
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,19 +34,33 @@ import torch.distributed as dist
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
 from mimo_fx.local import local_shape
-from mimo_fx.plan import backward_plan, format_bytes, plan
+from mimo_fx.plan import (
+    Exchange,
+    Gather,
+    Plan,
+    backward_plan,
+    check_sizes,
+    format_bytes,
+    plan,
+    size_arguments,
+)
 from mimo_fx.regions import Tiling
+from mimo_fx.sizes import Template, canonical_sizes
+from mimo_fx.symbolic import Expr
 from mimo_fx.vjp import apply
 
 from . import lowering
 from .comm import FunctionalComm
-from .executor import CompiledExecutor
+from .executor import CompiledExecutor, Numbers
 from .groups import CHECK, acquire, check_timeout, check_world, group_name, release, world_token
 from .guard import HEADER_LEN, MAGIC, OK, Expect, Header, fingerprint, inspect, problem_text
+from .learn import Row, int_tensor, learn_sizes
 
-__all__ = ["Redistributor"]
+__all__ = ["Redistributor", "CALL_OPTIONS"]
 
 LOG = logging.getLogger("mimo_fx")
+CACHED_SIZES = 64   # sizes whose programs a bridge keeps (least recently used go)
+CALL_OPTIONS = ("sizes",)
 
 
 def _default_device() -> torch.device:
@@ -52,12 +80,18 @@ def _check_options(dtype, comm_dtype, grad_partial, checked) -> None:
                           f"e.g. ('cp',)")
 
 
+def _size_key(sizes: dict) -> tuple:
+    return tuple(sorted(sizes.items()))
+
+
 class Redistributor:
     """One prepared ``redistribute(src -> dst)`` for this rank.
 
     Args:
         src, dst: the layouts.
-        sizes: global size of every dim.
+        sizes: global sizes of the dims that never change (``None`` or a part of the
+            dims: the others are given or learned per call, see the module docstring).
+            A ragged dim's size is its tuple of counts.
         dtype: the dtype of the tensors moved (the caller's).
         grad_partial: dst replicated axes whose cotangents are summed (see the op).
         comm_dtype: move data in this dtype (e.g. bf16) and return ``dtype``.
@@ -70,22 +104,29 @@ class Redistributor:
             (default: the current CUDA device under NCCL, else CPU).
     """
 
-    def __init__(self, src: Layout, dst: Layout, sizes: dict[str, int], dtype=torch.float32,
-                 *, grad_partial=(), comm_dtype=None, checked: bool = False,
-                 device=None) -> None:
+    def __init__(self, src: Layout, dst: Layout, sizes: dict | None = None,
+                 dtype=torch.float32, *, grad_partial=(), comm_dtype=None,
+                 checked: bool = False, device=None) -> None:
         if not dist.is_initialized():
             raise MimoFxError("Redistributor needs torch.distributed initialised first "
                               "(torch.distributed.init_process_group)")
         _check_options(dtype, comm_dtype, grad_partial, checked)
+        if not isinstance(src, Layout) or not isinstance(dst, Layout):
+            raise MimoFxError(f"Redistributor needs two Layouts, got {src!r} and {dst!r}")
         self.rank = dist.get_rank()
         self.src, self.dst, self.dtype, self.checked = src, dst, dtype, checked
-        self.sizes = dict(sizes)
-        self.fwd = plan(src, dst, self.sizes, dtype)
-        self.bwd = backward_plan(src, dst, self.sizes, dtype, tuple(grad_partial))
+        self.grad_partial = tuple(grad_partial)
+        self.fixed = size_arguments(src, dst, sizes, {}, "Redistributor", ()) if sizes else {}
+        self.sizes = dict(self.fixed)
+        self.free = tuple(d for d in src.dims if d not in self.fixed)
         self.union = tuple(sorted(set(src.grid.ranks) | set(dst.grid.ranks)))
         self.involved = self.rank in self.union
         self.device = torch.device(device) if device is not None else _default_device()
+        self.template: Template | None = None
+        self._plan_shapes()
         self._groups = list(dict.fromkeys(self.fwd.rank_groups + self.bwd.rank_groups))
+        if self.free and len(self.union) > 1 and self.union not in self._groups:
+            self._groups.append(self.union)  # for plans whose gathers find no group
         acquire(self._groups)
         # every bridge has its check group (whether checked or not, see .groups)
         self._check_groups = [self.union] if len(self.union) > 1 else []
@@ -95,32 +136,228 @@ class Redistributor:
         mine = [g for g in self._groups if self.rank in g]
         self.executor = CompiledExecutor(FunctionalComm({g: group_name(g) for g in mine}),
                                          comm_dtype)
+        needs_check_comm = (checked or self.free) and self._check_groups and self.involved
         self._check_comm = (FunctionalComm({self.union: group_name(self.union, CHECK)})
-                            if checked and self._check_groups and self.involved else None)
-        self._fwd_program = lowering.lower(self.fwd, self.rank)
-        self._bwd_program = lowering.lower(self.bwd, self.rank)
-        self._expects = {side: self._expect(side, self.rank) for side in ("src", "dst")}
-        self._src_shape = self._expects["src"].shape
+                            if needs_check_comm else None)
+        self._lower_programs()
+        self._cache: OrderedDict[tuple, tuple] = OrderedDict()
+        self._no_src = self._placeholder(len(src.local_dims), grad=True)
+        self._warned_func = False
+        key = (src, dst, sorted(self.fixed.items()), str(dtype), self.grad_partial,
+               str(comm_dtype))
+        self._key = key
+        self._prints = {"src": fingerprint("forward", *key), "dst": fingerprint("backward", *key)}
+        self._label = f"mimo_fx.redistribute {src.describe()} -> {dst.describe()}"
+        if self.free:
+            from torch._dynamo import config as dynamo_config
+
+            # the size exchange reads its int64 rows back as Python ints (``.tolist()``),
+            # which a compiled graph can only hold as captured scalars
+            dynamo_config.capture_scalar_outputs = True
+        _BRIDGES[id(self)] = self
+        _log_plans(self)
+
+    # -- building ------------------------------------------------------------------------
+    def _plan_shapes(self) -> None:
+        """The plans the bridge is built on: at its sizes when all are fixed, else at the
+        template sizes its layouts choose (then also the template)."""
+        src, dst, dtype = self.src, self.dst, self.dtype
+        if not self.free:
+            check_sizes(src, dst, self.fixed)
+            self.fwd = plan(src, dst, self.fixed, dtype)
+            self.bwd = backward_plan(src, dst, self.fixed, dtype, self.grad_partial)
+            return
+        ragged = set(src.ragged_dims) | set(dst.ragged_dims)
+        counts = {d: lcm(src.shards(d), dst.shards(d)) for d in self.free if d in ragged}
+        sizes = canonical_sizes(src, dst, self.fixed, counts)
+        check_sizes(src, dst, sizes)
+        self.fwd = plan(src, dst, sizes, dtype)
+        self.bwd = backward_plan(src, dst, sizes, dtype, self.grad_partial)
+        self.template = Template.build(src, dst, sizes, dtype.itemsize, self.grad_partial,
+                                       self.free)
+
+    def _lower_programs(self) -> None:
+        t = self.template
+        if not self.free:
+            self._fwd_program = lowering.lower(self.fwd, self.rank)
+            self._bwd_program = lowering.lower(self.bwd, self.rank)
+        elif t is not None:
+            self._fwd_program = lowering.lower(t.fwd, self.rank, t.fwd_sym)
+            self._bwd_program = lowering.lower(t.bwd, self.rank, t.bwd_sym)
+        else:
+            self._fwd_program = self._bwd_program = None  # type: ignore[assignment]
+        self._src_shape = None if self.free else self._fwd_program.src_shape
+
+    @property
+    def granules(self) -> dict[str, int]:
+        """Per free even dim, the sizes one compiled graph serves are multiples of this
+        (empty when the bridge has no template: every size is planned by itself)."""
+        return dict(self.template.granules) if self.template else {}
+
+    def _placeholder(self, ndim: int, grad: bool = False) -> torch.Tensor:
         # what ranks holding no src piece feed the op: made here, not per call, because
         # Dynamo cannot trace creating a tensor that requires grad; it requires grad so
         # that the backward (and its collectives) runs on these ranks too
-        self._no_src = None if self._src_shape is not None else torch.empty(
-            (0,) * len(src.local_dims), dtype=dtype, device=self.device,
-            requires_grad=dtype.is_floating_point or dtype.is_complex)
-        self._warned_func = False
-        key = (src, dst, sorted(self.sizes.items()), str(dtype), tuple(grad_partial),
-               str(comm_dtype))
-        self._prints = {"src": fingerprint("forward", *key), "dst": fingerprint("backward", *key)}
-        self._label = f"mimo_fx.redistribute {src.describe()} -> {dst.describe()}"
-        _log_plans(self)
+        floating = self.dtype.is_floating_point or self.dtype.is_complex
+        return torch.empty((0,) * ndim, dtype=self.dtype, device=self.device,
+                           requires_grad=grad and floating)
 
-    def _expect(self, side: str, rank: int) -> Expect:
-        layout = self.src if side == "src" else self.dst
-        shape = (local_shape(layout, Tiling.of(layout, self.fwd.dims, self.sizes), rank)
-                 if layout.holds(rank) else None)
-        sizes = ", ".join(f"{d}={n}" for d, n in self.fwd.sizes)
-        return Expect(shape, self.dtype, self.device,
-                      f"{side} {layout.describe()!r} on {layout.grid!r} ({sizes})")
+    # -- sizes and programs --------------------------------------------------------------
+    def _given(self, sizes, dim_sizes: dict) -> dict:
+        """The sizes a call gives, checked against the fixed ones."""
+        if sizes is None and not dim_sizes:
+            return {}
+        given = size_arguments(self.src, self.dst, sizes, dim_sizes, "bridge call",
+                               CALL_OPTIONS)
+        for d, n in given.items():
+            if d in self.fixed and not _same(n, self.fixed[d]):
+                raise MimoFxError(
+                    self._context() + f"{d}={n!r} but the bridge was built with {d}="
+                    f"{self.fixed[d]!r}; build it without {d!r} to vary it")
+        return given
+
+    def _call_sizes(self, x, sizes, dim_sizes) -> tuple[dict, frozenset]:
+        """Every dim's size for this call and the dims learned by the exchange."""
+        given = self._given(sizes, dim_sizes)
+        full = {**self.fixed, **given}
+        missing = [d for d in self.free if d not in given]
+        if not missing:
+            return full, frozenset()
+        return self._learn(x, full), frozenset(missing)
+
+    def _learn(self, x, known: dict) -> dict:
+        """The exchange: every rank's shape row, then every size from them."""
+        assert self._check_comm is not None
+        ndim = len(self.src.local_dims)
+        row = int_tensor(Row.encode(x, ndim, self._prints["src"]), self.device)
+        try:
+            rows = self._check_comm.all_gather(row, self.union).view(len(self.union), -1)
+        except RuntimeError as err:  # gloo/NCCL timeout or a peer gone
+            raise MimoFxError(
+                self._context() + f"rank {self.rank} waited in vain for every rank's size "
+                f"row ({err.__class__.__name__}: {str(err).splitlines()[0][:200]}). Every "
+                f"rank of both grids calls the bridge, giving the same set of sizes "
+                f"(MIMO_FX_CHECK_TIMEOUT={check_timeout():g} s)") from None
+        return learn_sizes(rows.tolist(), self.union, self.src, known, self._prints["src"],
+                           self.dtype, self._context())
+
+    def _programs(self, full: dict, learned: frozenset,
+                  x=None) -> tuple[Any, Any, tuple | None]:
+        """This rank's forward and adjoint programs for ``full`` sizes, and the env a
+        template program's numbers are evaluated at (None: a plain program); ``x`` is
+        this rank's src tensor (it names learned sizes its shape shows)."""
+        if not self.free:
+            return self._fwd_program, self._bwd_program, None
+        if not torch.compiler.is_compiling():
+            return (*self._programs_at(_size_key(full)), None)
+        t = self.template
+        if t is not None and self._fits_compiled(t, full, learned):
+            env = t.env(full)
+            values = tuple(env[v] for v in t.variables)
+            if learned:
+                values = self._fresh(values, t.variables)
+                values = self._from_local(x, values, t, full)
+            return self._fwd_program, self._bwd_program, values
+        if learned:
+            raise MimoFxError(
+                self._context() + f"sizes learned under torch.compile must fit the bridge's "
+                f"template ({t.describe() if t else 'none: its plan depends on the sizes'}); "
+                f"give the sizes in the call, or run these sizes eagerly")
+        # sizes the template does not serve: a graph of their own (Dynamo specialises)
+        key = _size_key({d: _concrete(n) for d, n in full.items()})
+        return (*_programs_for(id(self), key), None)
+
+    def _fits_compiled(self, t: Template, full: dict, learned: frozenset) -> bool:
+        """Whether traced sizes fit the template: a learned size is asserted to (the
+        graph then serves every size that does, and fails on one that does not), a given
+        one is tested (Dynamo guards on the test: a size that fails it recompiles)."""
+        for d, granule in t.granules.items():
+            n = full[d]
+            if d in learned:
+                message = (f"{self._context()}the learned size of {d!r} must be a multiple "
+                           f"of {granule} (bridge.granules) under torch.compile; pad it, or "
+                           f"give the sizes in the call")
+                _check(n % granule == 0, message)
+                _check(n >= granule, message)
+            elif n % granule != 0:
+                return False
+        return all(len(full[d]) == m for d, m in t.counts.items())
+
+    def _fresh(self, values: tuple, variables: tuple) -> tuple:
+        """Learned values as fresh symbols: the exchange's sizes are sums and quotients
+        of the rows' unbacked entries, which the compiler's shape reasoning handles
+        badly (slices of unknown length); one symbol per variable, tied to its value by
+        a run-time check, keeps every program number a plain polynomial."""
+        fresh = int_tensor(values, self.device).tolist()
+        for new, old, var in zip(fresh, values, variables):
+            torch._check(new == old)
+            torch._check(new >= (1 if var[0] == "u" else 0))
+        return tuple(fresh)
+
+    def _from_local(self, x, values: tuple, t: Template, full: dict) -> tuple:
+        """On a rank holding src, each variable its own tensor shows -- a local dim that is
+        ``c * u[d]``, or its own ragged count -- taken from the tensor's (backed) shape,
+        asserted equal to the learned size: the program's slices of that tensor are then
+        in the tensor's own sizes, which the compiler can bound."""
+        shape = self._fwd_program.src_shape
+        if not isinstance(x, torch.Tensor) or shape is None or x.dim() != len(shape):
+            return values
+        out = list(values)
+        message = (f"{self._context()}rank {self.rank}: the local tensor's shape does not fit "
+                   f"the learned sizes (sizes learned under torch.compile must be multiples "
+                   f"of bridge.granules); run the call eagerly to see why")
+        for have, want in zip(x.shape, shape):
+            if not isinstance(want, Expr) or len(want.terms) != 1:
+                continue
+            (mono, coef), = want.terms
+            if len(mono) != 1:
+                continue
+            var = mono[0]
+            if have % coef != 0:  # known while tracing (Dynamo guards on it if symbolic)
+                raise MimoFxError(message)
+            if var[0] == "u":  # have == coef * n / granules, without a quotient
+                learned = full[var[1]]
+                _check(have * t.granules[var[1]] == coef * learned, message)
+            else:
+                _check(have == coef * full[var[1]][var[2]], message)
+            out[t.variables.index(var)] = have // coef if coef != 1 else have
+        return tuple(out)
+
+    def _programs_at(self, key: tuple) -> tuple[Any, Any]:
+        """Plain programs for concrete sizes: the template's evaluated, or a plan of their
+        own; the least recently used of ``CACHED_SIZES`` sizes are kept."""
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        full = dict(key)
+        t = self.template
+        if t is not None and t.fits(full):
+            env = t.env(full)
+            progs = (lowering.at(self._fwd_program, env), lowering.at(self._bwd_program, env))
+        else:
+            check_sizes(self.src, self.dst, full)
+            fwd = self._restrict(plan(self.src, self.dst, full, self.dtype))
+            bwd = self._restrict(backward_plan(self.src, self.dst, full, self.dtype,
+                                               self.grad_partial))
+            progs = (lowering.lower(fwd, self.rank), lowering.lower(bwd, self.rank))
+        self._cache[key] = progs
+        if len(self._cache) > CACHED_SIZES:
+            self._cache.popitem(last=False)
+        return progs
+
+    def _restrict(self, p: Plan) -> Plan:
+        """``p`` with every gather over a group this bridge did not create done as an
+        all-to-all over the union (created for this): process groups never depend on
+        sizes, and the same sizes restrict alike on every rank."""
+        made = set(self._groups)
+        steps = []
+        for step in p.steps:
+            if isinstance(step, Gather) and not all(g in made for g in step.groups
+                                                    if len(g) > 1):
+                step = Exchange(tuple(_gather_transfers(step)), self.union)
+            steps.append(step)
+        return p if steps == list(p.steps) else _replace_steps(p, tuple(steps))
 
     # -- guards ------------------------------------------------------------------------
     def _assert_live(self) -> None:
@@ -131,27 +368,38 @@ class Redistributor:
             check_world(self._world, f"this bridge {self.src.describe()!r} -> "
                                      f"{self.dst.describe()!r}")
 
-    def _guard(self, x, side: str) -> None:
-        """Validate ``x`` as this rank's ``side`` tensor: locally, and in checked mode
-        with every rank of both grids (every rank then raises the same error)."""
-        expect = self._expects[side]
-        code = inspect(x, expect)
-        if self._check_comm is None:
+    def _expect(self, side: str, rank: int, full: dict) -> Expect:
+        layout = self.src if side == "src" else self.dst
+        dims = self.fwd.dims
+        shape = (local_shape(layout, Tiling.of(layout, dims, full), rank)
+                 if layout.holds(rank) else None)
+        sizes = ", ".join(f"{d}={full[d]}" for d in dims)
+        return Expect(shape, self.dtype, self.device,
+                      f"{side} {layout.describe()!r} on {layout.grid!r} ({sizes})")
+
+    def _guard(self, x, side: str, program, env, full: dict) -> None:
+        """Validate ``x`` as this rank's ``side`` tensor (``program`` is the one it feeds):
+        locally, and in checked mode with every rank of both grids (every rank then
+        raises the same error)."""
+        shape = program.src_shape
+        if env is not None:
+            assert self.template is not None  # an env comes from the template
+            shape = None if shape is None else Numbers(dict(zip(self.template.variables,
+                                                                 env))).all(shape)
+        if torch.compiler.is_compiling():
+            self._guard_traced(x, side, shape, full)
+            return
+        code = inspect(x, Expect(shape, self.dtype, self.device, ""))
+        if self._check_comm is None or not self.checked:
             if code != OK:
+                expect = self._expect(side, self.rank, full)
                 raise MimoFxError(self._context() + problem_text(
                     code, self.rank, expect, _described(x), getattr(x, "dtype", None),
                     getattr(x, "device", None)))
             return
-        mine = torch.tensor(Header.encode(x, code, self._prints[side]), dtype=torch.int64,
-                            device=self.device)
-        if torch.compiler.is_compiling():
-            rows = self._check_comm.all_gather(mine, self.union).view(-1, HEADER_LEN)
-            ok = ((rows[:, 0] == MAGIC) & (rows[:, 1] == self._prints[side])
-                  & (rows[:, 2] == OK)).all()
-            torch._assert_async(ok, f"checked redistribute {self.src.describe()} -> "
-                                    f"{self.dst.describe()}: a rank's call does not match "
-                                    f"(run it eagerly to see which and why)")
-            return
+        print_ = self._prints[side] if not self.free else fingerprint(
+            side, *self._key, _size_key(full))
+        mine = int_tensor(Header.encode(x, code, print_), self.device)
         try:
             rows = self._check_comm.all_gather(mine, self.union).view(-1, HEADER_LEN)
         except RuntimeError as err:  # gloo/NCCL timeout or a peer gone
@@ -161,38 +409,80 @@ class Redistributor:
                 f"called this bridge with checked=False, called another bridge or "
                 f"collective, or left; every rank must make the same checked call "
                 f"(MIMO_FX_CHECK_TIMEOUT={check_timeout():g} s)") from None
-        problems = Header.problems(rows.tolist(), self.union, self._prints[side],
-                                   {r: self._expect(side, r) for r in self.union})
+        problems = Header.problems(rows.tolist(), self.union, print_,
+                                   {r: self._expect(side, r, full) for r in self.union})
         if problems:
             raise MimoFxError(self._context() + "the call does not match on every rank:\n  "
                               + "\n  ".join(problems))
+
+    def _guard_traced(self, x, side: str, shape, full: dict) -> None:
+        """The guard under ``torch.compile``: what the trace knows is checked now, the
+        sizes at run time (``torch._check``); checked mode exchanges headers in-graph."""
+        code = OK
+        if x is None:
+            if shape is not None:
+                raise MimoFxError(self._context() + problem_text(
+                    1, self.rank, self._expect(side, self.rank, full)))
+        elif x.dtype != self.dtype or x.device.type != self.device.type or (
+                shape is not None and x.dim() != len(shape)):
+            code = inspect(x, Expect(None if shape is None else tuple(x.shape), self.dtype,
+                                     self.device, ""))
+            if code == OK:
+                code = 4  # SHAPE: wrong number of dims
+            raise MimoFxError(self._context() + problem_text(
+                code, self.rank, self._expect(side, self.rank, full), _described(x),
+                x.dtype, x.device))
+        elif shape is not None:
+            message = (f"{self._context()}rank {self.rank}: the local tensor's shape does not "
+                       f"match the sizes; run the call eagerly to see the shapes")
+            for have, want in zip(x.shape, shape):
+                _check(have == want, message)
+        if self.checked and self._check_comm is not None:
+            mine = int_tensor(Header.encode(x, code, self._prints[side]), self.device)
+            rows = self._check_comm.all_gather(mine, self.union).view(-1, HEADER_LEN)
+            ok = ((rows[:, 0] == MAGIC) & (rows[:, 1] == self._prints[side])
+                  & (rows[:, 2] == OK)).all()
+            torch._assert_async(ok, f"checked redistribute {self.src.describe()} -> "
+                                    f"{self.dst.describe()}: a rank's call does not match "
+                                    f"(run it eagerly to see which and why)")
 
     def _context(self) -> str:
         mode = "checked " if self.checked else ""
         return f"{mode}redistribute {self.src.describe()!r} -> {self.dst.describe()!r}: "
 
     # -- the call -----------------------------------------------------------------------
-    def __call__(self, x: torch.Tensor | None) -> torch.Tensor | None:
-        """This rank's dst piece (empty where it holds none; None off both grids)."""
+    def __call__(self, x: torch.Tensor | None, sizes: dict | None = None,
+                 **dim_sizes) -> torch.Tensor | None:
+        """This rank's dst piece (empty where it holds none; None off both grids).
+
+        Sizes of free dims may be given (``sizes={...}`` or keywords); those not given
+        are learned from the ranks holding src (every rank gives the same set)."""
         self._assert_live()
         if not self.involved:
             return None
         # a labelled span in profiler traces; entering one costs ~6 µs, so only when a
         # profiler is recording
         if torch.compiler.is_compiling() or not torch._C._autograd._profiler_enabled():
-            return self._call(x)
+            return self._call(x, sizes, dim_sizes)
         with torch.profiler.record_function(self._label):
-            return self._call(x)
+            return self._call(x, sizes, dim_sizes)
 
-    def _call(self, x: torch.Tensor | None) -> torch.Tensor | None:
-        self._guard(x, "src")
+    def _call(self, x: torch.Tensor | None, sizes, dim_sizes) -> torch.Tensor | None:
+        if self.free:
+            full, learned = self._call_sizes(x, sizes, dim_sizes)
+        else:
+            if sizes is not None or dim_sizes:
+                self._given(sizes, dim_sizes)
+            full, learned = self.fixed, frozenset()
+        fwd, bwd, env = self._programs(full, learned, x)
+        self._guard(x, "src", fwd, env, full)
         if x is None:
             x = self._no_src
-            self._warn_none_in_func()
+            self._warn_none_in_func(bwd)
         assert x is not None  # _guard rejected None on ranks that hold src
         if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             # no autograd possible: skip the autograd.Function layer (tens of µs a call)
-            (y,) = self.executor.run(self._fwd_program, (x,))
+            (y,) = self.executor.run(fwd, (x,))
             return y
         if torch.compiler.is_compiling():
             # Dynamo traces an autograd.Function's own backward only for inputs it sees as
@@ -201,11 +491,12 @@ class Redistributor:
             # collectives (wrong gradient, no backward collectives). A view makes the
             # input an op's output, whose requirement Dynamo does see.
             x = x.view(x.shape)
-        (y,) = apply(self.executor, self._fwd_program, self._bwd_program, (x,))
+        variables = self.template.variables if self.template is not None else ()
+        (y,) = apply(self.executor, fwd, bwd, (x,), env, variables)
         return y
 
-    def _warn_none_in_func(self) -> None:
-        if self._warned_func or not self._bwd_program.ops or not _in_grad_transform():
+    def _warn_none_in_func(self, bwd) -> None:
+        if self._warned_func or not bwd.ops or not _in_grad_transform():
             return
         self._warned_func = True
         warnings.warn(
@@ -214,7 +505,7 @@ class Redistributor:
             f"differentiates only its arguments, so this rank will skip the backward's "
             f"collectives and ranks that run theirs will wait for it. Pass an empty tensor "
             f"that the transform differentiates instead of None, e.g. grad(step, argnums=("
-            f"0, 1))(torch.empty({(0,) * len(self.src.local_dims)}), w).", stacklevel=3)
+            f"0, 1))(torch.empty({(0,) * len(self.src.local_dims)}), w).", stacklevel=4)
 
     def destroy(self) -> None:
         """Release this bridge's process groups; safe to call twice."""
@@ -222,6 +513,54 @@ class Redistributor:
             release(self._groups)
             release(self._check_groups, CHECK)
             self._live = False
+            self._cache.clear()
+            _BRIDGES.pop(id(self), None)
+
+
+# bridges by id, for the compiled path that plans sizes of their own at trace time
+_BRIDGES: dict[int, Redistributor] = {}
+
+
+@torch.compiler.assume_constant_result
+def _programs_for(bridge: int, key: tuple) -> tuple[Any, Any]:
+    """A bridge's plain programs for sizes its template does not serve: computed while
+    tracing (a constant of the graph, which Dynamo then guards on these sizes)."""
+    return _BRIDGES[bridge]._programs_at(key)
+
+
+def _check(ok, message: str) -> None:
+    """A run-time check under ``torch.compile`` with a fixed message (the message of
+    ``torch._check`` must not close over traced values)."""
+    torch._check(ok, lambda: message)
+
+
+def _concrete(n):
+    """A traced size as a Python int (Dynamo specialises the graph to it)."""
+    if isinstance(n, tuple):
+        return tuple(operator.index(c) for c in n)
+    return operator.index(n)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return True  # a traced size is checked against the tensor, not here
+    return tuple(a) == tuple(b) if isinstance(a, tuple | list) else a == b
+
+
+def _gather_transfers(step: Gather):
+    from mimo_fx.plan import Transfer
+
+    for ranks, parts in zip(step.groups, step.shares):
+        for i, sender in enumerate(ranks):
+            for j, receiver in enumerate(ranks):
+                if i != j:
+                    yield from (Transfer(sender, receiver, box) for box in parts[i])
+
+
+def _replace_steps(p: Plan, steps: tuple) -> Plan:
+    from dataclasses import replace
+
+    return replace(p, steps=steps)
 
 
 def _log_plans(bridge: Redistributor) -> None:
@@ -232,8 +571,15 @@ def _log_plans(bridge: Redistributor) -> None:
     if not LOG.isEnabledFor(logging.DEBUG):
         return
     rank = bridge.rank
+    if bridge.free:
+        t = bridge.template
+        LOG.debug("rank %d: %s: sizes of %s learned or given per call; template: %s", rank,
+                  bridge._label, ", ".join(bridge.free),
+                  t.describe() if t else "none (each size planned by itself)")
     for what, p, program in (("forward", bridge.fwd, bridge._fwd_program),
                              ("backward", bridge.bwd, bridge._bwd_program)):
+        if program is None:
+            continue
         calls = ", ".join(f"{op.kind} over {len(op.ranks)} ranks"
                           for op in program.ops) or "no collective"
         LOG.debug("rank %d: %s %s: %s; sends %s, receives %s", rank, bridge._label, what,

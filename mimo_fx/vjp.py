@@ -18,29 +18,42 @@ __all__ = ["Executor", "apply"]
 
 
 class Executor(Protocol):
-    """Runs a plan, or its lowered form, on local tensors (one per src holder it serves)."""
+    """Runs a plan, or its lowered form, on local tensors (one per src holder it serves);
+    a template program's numbers at ``env`` (``{variable: value}``, see
+    :mod:`mimo_fx.sizes`)."""
 
-    def run(self, plan, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def run(self, plan, tensors: tuple[torch.Tensor, ...],
+            env: dict | None = None) -> tuple[torch.Tensor, ...]:
         ...
 
 
 class _Redistribute(torch.autograd.Function):
+    # the env travels as a tuple of values (ints, or SymInts under torch.compile) beside
+    # the constant tuple of its variables: both trace as plain arguments
     @staticmethod
-    def forward(executor, fwd, bwd, *tensors):
-        return tuple(executor.run(fwd, tensors))
+    def forward(executor, fwd, bwd, variables, values, *tensors):
+        return tuple(executor.run(fwd, tensors, _env(variables, values)))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.executor, ctx.bwd = inputs[0], inputs[2]
+        ctx.variables, ctx.values = inputs[3], inputs[4]
 
     @staticmethod
     def backward(ctx, *grads):
         with torch.no_grad():
-            out = ctx.executor.run(ctx.bwd, tuple(g.contiguous() for g in grads))
-        return (None, None, None, *out)
+            out = ctx.executor.run(ctx.bwd, tuple(g.contiguous() for g in grads),
+                                   _env(ctx.variables, ctx.values))
+        return (None, None, None, None, None, *out)
 
 
-def apply(executor: Executor, fwd, bwd, tensors) -> tuple[torch.Tensor, ...]:
+def _env(variables, values) -> dict | None:
+    return None if values is None else dict(zip(variables, values))
+
+
+def apply(executor: Executor, fwd, bwd, tensors, values: tuple | None = None,
+          variables: tuple = ()) -> tuple[torch.Tensor, ...]:
     """Run ``fwd`` through the custom vjp whose backward runs ``bwd`` (plans or their
-    lowered per-rank programs, whatever the executor runs)."""
-    return _Redistribute.apply(executor, fwd, bwd, *tensors)
+    lowered per-rank programs, whatever the executor runs); template programs take the
+    ``values`` of their ``variables``."""
+    return _Redistribute.apply(executor, fwd, bwd, variables, values, *tensors)

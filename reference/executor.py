@@ -44,7 +44,8 @@ __all__ = ["ReferenceExecutor", "redistribute"]
 class ReferenceExecutor:
     """Executes plans on a tuple of pieces, one per src holder, in rank order."""
 
-    def run(self, plan: Plan, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def run(self, plan: Plan, tensors: tuple[torch.Tensor, ...],
+            env: dict | None = None) -> tuple[torch.Tensor, ...]:
         src_tiling = Tiling.of(plan.src, plan.dims, dict(plan.sizes))
         stores: dict[int, Store] = {}
         for rank, local in zip(plan.src.holders, tensors):

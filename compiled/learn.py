@@ -1,0 +1,114 @@
+"""Sizes learned by the ranks that do not know them: the size exchange.
+
+A call that does not give every size learns the missing ones from the ranks holding
+src: every rank of the two grids contributes one small int64 row -- a marker, the
+bridge's fingerprint, the number of dims and the dtype of the tensor it passed (none
+for None), the tensor's local shape -- to one
+all-gather over the grids' union, on the bridge's check group (its own process group
+with its own timeout, so a rank that skipped the exchange makes the others fail with an
+error, not pair the rows with data). Every rank then infers the same sizes from the
+same rows (uneven splits exactly, a ragged dim's counts one per shard) and raises the
+same error if a row is wrong. Under ``torch.compile`` the rows become unbacked SymInts
+(``.tolist()``, with ``capture_scalar_outputs``) and the checks run-time asserts.
+
+>>> Row.width(3)
+7
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from mimo_fx.errors import MimoFxError
+from mimo_fx.layout import Layout
+from mimo_fx.local import infer_sizes
+
+from .guard import MAGIC, dtype_code
+
+__all__ = ["Row", "learn_sizes", "int_tensor"]
+
+HEADER = 4  # marker, fingerprint, 1 + the tensor's dims (0: None), its dtype
+
+
+def int_tensor(values: Sequence[Any], device) -> torch.Tensor:
+    """An int64 vector of ``values`` (ints or SymInts). Built as a sum with a zeros
+    tensor: a tensor made from constants alone would be constant-folded by the
+    compiler, which would then run the collective it feeds while tracing."""
+    const = torch.tensor(list(values), dtype=torch.int64, device=device)
+    return torch.zeros(len(values), dtype=torch.int64, device=device) + const
+
+
+class Row:
+    """One rank's row of the size exchange."""
+
+    @staticmethod
+    def width(ndim: int) -> int:
+        return HEADER + ndim
+
+    @staticmethod
+    def encode(x: torch.Tensor | None, ndim: int, print_: int) -> list[Any]:
+        if not isinstance(x, torch.Tensor):
+            return [MAGIC, print_, 0, 0] + [0] * ndim
+        shape = list(x.shape)[:ndim] + [0] * max(0, ndim - x.dim())
+        return [MAGIC, print_, 1 + x.dim(), dtype_code(x.dtype), *shape]
+
+
+def _eager_check(ok, message) -> None:
+    if not ok:
+        raise MimoFxError(message())
+
+
+def _compiled_check(ok, message) -> None:
+    # the message's values are symbolic here; the eager call names them
+    torch._check(ok, lambda: "mimo_fx: the shapes of the size exchange disagree with the "
+                             "layouts (run the call eagerly to see which rank and why)")
+
+
+def learn_sizes(rows, ranks: tuple[int, ...], src: Layout, given: dict, print_: int,
+                dtype: torch.dtype, context: str) -> dict:
+    """Every dim's size from the exchanged ``rows`` (one per rank of ``ranks``, as lists
+    of ints or SymInts), ``given`` first. Eagerly a bad row raises :class:`MimoFxError`
+    on every rank, naming the rank."""
+    compiling = torch.compiler.is_compiling()
+    check: Callable[[Any, str], None] = _compiled_check if compiling else _eager_check
+    ndim = len(src.local_dims)
+    if not compiling:
+        problems = _row_problems(rows, ranks, src, print_, ndim, dtype)
+        if problems:
+            raise MimoFxError(context + "the size exchange found:\n  " + "\n  ".join(problems))
+    shapes = {r: tuple(row[HEADER:HEADER + ndim]) for r, row in zip(ranks, rows)
+              if src.holds(r)}
+    try:
+        return infer_sizes(src, shapes, dict(given), check)
+    except MimoFxError as err:
+        raise MimoFxError(context + str(err)) from None
+
+
+def _row_problems(rows, ranks, src: Layout, print_: int, ndim: int,
+                  dtype: torch.dtype) -> list[str]:
+    out = []
+    for rank, row in zip(ranks, rows):
+        magic, theirs, dims, code = row[:HEADER]
+        shape = tuple(row[HEADER:HEADER + ndim])
+        if magic != MAGIC:
+            out.append(f"rank {rank} sent no size row: it gave every size (then no "
+                       f"exchange runs), called another collective, or left; every rank "
+                       f"must give the same set of sizes")
+        elif theirs != print_:
+            out.append(f"rank {rank} called a different bridge (other layouts, dtype or "
+                       f"options)")
+        elif src.holds(rank) and not dims:
+            out.append(f"rank {rank} holds a piece of src {src.describe()!r} but passed "
+                       f"None; pass its piece")
+        elif dims and dims - 1 != ndim:
+            out.append(f"rank {rank} passed a tensor of {dims - 1} dims but src "
+                       f"{src.pattern!r} has {ndim} local dims")
+        elif dims and code != dtype_code(dtype):
+            out.append(f"rank {rank} passed a tensor of another dtype than {dtype}")
+        elif dims and not src.holds(rank) and 0 not in shape:
+            out.append(f"rank {rank} holds no piece of src {src.describe()!r} but passed a "
+                       f"tensor of shape {shape}; pass None")
+    return out
