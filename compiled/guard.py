@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["Expect", "inspect", "problem_text", "Header", "fingerprint", "MAGIC", "OK",
-           "HEADER_LEN", "dtype_code"]
+           "HEADER_LEN", "dtype_code", "calls_differ"]
 
 OK, NONE_HOLDS, NOT_EMPTY, NOT_TENSOR, SHAPE, DTYPE, DEVICE = range(7)
 MAGIC = 0x6D696D6F  # "mimo": a header, not data
@@ -114,23 +114,43 @@ class Header:
     @staticmethod
     def problems(rows: list[list[int]], ranks: tuple[int, ...], print_: int,
                  expects: dict[int, Expect]) -> list[str]:
-        """Messages for every rank whose header shows a problem."""
+        """Messages for every rank whose header shows a problem (the same on every rank:
+        ranks that disagree on the call itself are named in groups, not against this
+        rank's own call)."""
         out = []
         dtypes = {dtype_code(d): d for d in _DTYPES}
+        split = calls_differ(rows, ranks, "layouts, sizes, dtypes or options")
+        if split:
+            out.append(split)
         for rank, row in zip(ranks, rows):
             magic, theirs, code, dtype, device, ndim, *dims = row
             if magic != MAGIC:
                 out.append(f"rank {rank} sent no check header: it called another "
                            f"collective, or this bridge with checked=False")
-            elif theirs != print_:
-                out.append(f"rank {rank} called a different bridge (other layouts, sizes, "
-                           f"dtypes or options)")
+            elif split:
+                continue  # what a rank expects depends on a call they do not share
             elif code != OK:
                 expect = expects[rank]
                 shape = tuple(dims[:min(ndim, MAX_DIMS)])
                 out.append(problem_text(code, rank, expect, shape, dtypes.get(dtype, "?"),
                                         "another device"))
         return out
+
+
+def calls_differ(rows, ranks: tuple[int, ...], what: str) -> str | None:
+    """One message naming the groups of ranks whose rows carry different call
+    fingerprints (column 1), the largest group first; None if they all agree."""
+    groups: dict[int, list[int]] = {}
+    for rank, row in zip(ranks, rows):
+        if row[0] == MAGIC:
+            groups.setdefault(row[1], []).append(rank)
+    if len(groups) < 2:
+        return None
+    ordered = sorted(groups.values(), key=lambda g: (-len(g), g[0]))
+    names = [f"ranks {g}" if len(g) > 1 else f"rank {g[0]}" for g in ordered]
+    return (f"the ranks made different calls ({what} differ): one on {names[0]}, "
+            + ", ".join(f"another on {n}" for n in names[1:])
+            + "; every rank must make the same call")
 
 
 _DTYPES = [getattr(torch, n) for n in ("float64", "float32", "float16", "bfloat16", "int64",

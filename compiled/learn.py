@@ -26,7 +26,7 @@ from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
 from mimo_fx.local import infer_sizes
 
-from .guard import MAGIC, dtype_code
+from .guard import MAGIC, calls_differ, dtype_code
 
 __all__ = ["Row", "learn_sizes", "int_tensor"]
 
@@ -89,17 +89,17 @@ def learn_sizes(rows, ranks: tuple[int, ...], src: Layout, given: dict, print_: 
 
 def _row_problems(rows, ranks, src: Layout, print_: int, ndim: int,
                   dtype: torch.dtype) -> list[str]:
-    out = []
+    split = calls_differ(rows, ranks, "layouts, dtype or options")
+    out = [split] if split else []
     for rank, row in zip(ranks, rows):
-        magic, theirs, dims, code = row[:HEADER]
+        magic, _, dims, code = row[:HEADER]
         shape = tuple(row[HEADER:HEADER + ndim])
         if magic != MAGIC:
             out.append(f"rank {rank} sent no size row: it gave every size (then no "
                        f"exchange runs), called another collective, or left; every rank "
                        f"must give the same set of sizes")
-        elif theirs != print_:
-            out.append(f"rank {rank} called a different bridge (other layouts, dtype or "
-                       f"options)")
+        elif split:
+            continue
         elif src.holds(rank) and not dims:
             out.append(f"rank {rank} holds a piece of src {src.describe()!r} but passed "
                        f"None; pass its piece")

@@ -113,6 +113,38 @@ def _scenarios(rank: int, world: int) -> dict:
                              torch.equal(y, shard(_x({"b": 4, "h": 4}, "bh"), LLM)[rank]))
     bridge.destroy()
     out["bridge_after_destroy"] = _raises(lambda: bridge.send_forward(enc_x.get(rank)))
+    out.update(_size_mistakes(rank, x, piece))
+    return out
+
+
+def _size_mistakes(rank: int, x: torch.Tensor, piece: torch.Tensor) -> dict:
+    """Sizes that disagree, learned or given."""
+    from mimo_fx.compiled import Redistributor, trace
+
+    out: dict = {}
+    # learned: the rows show it, so every rank raises the same error, checked or not
+    bridge = Redistributor(SRC, DST, {"h": 2})
+    bad = piece[:, :8] if rank == 1 else piece          # rank 1's replica (rank 0) differs
+    out["learned_replicas_disagree"] = _raises(lambda: bridge(bad))
+    out["learned_none_on_holder"] = _raises(lambda: bridge(None if rank == 2 else piece))
+    out["learned_dtype"] = _raises(lambda: bridge(piece.double() if rank == 3 else piece))
+    y = bridge(piece)
+    out["learned_then_ok"] = torch.equal(y, shard(x, DST)[rank])
+    # a size given that the bridge was built with otherwise: before any collective
+    start = trace.mark()
+    out["fixed_size_contradicted"] = _raises(lambda: bridge(piece, h=3))
+    out["fixed_size_collectives"] = len(trace.since(start))
+    bridge.destroy()
+    # given sizes that disagree across ranks: checked, every rank raises
+    bridge = Redistributor(SRC, DST, {"h": 2}, checked=True)
+    s = 8 if rank == 3 else 16
+    out["checked_given_disagree"] = _raises(lambda: bridge(
+        piece[:, :s], b=4, s=s))
+    bridge.destroy()
+    # unchecked, a rank whose tensor disagrees with the sizes it gives raises alone
+    bridge = Redistributor(SRC, DST, {"h": 2})
+    out["given_disagree_with_tensor"] = _alone(rank, 2, lambda: bridge(piece, b=4, s=8))
+    bridge.destroy()
     return out
 
 
@@ -132,6 +164,30 @@ def test_unchecked_mistake_raises_on_its_rank_before_any_collective(scenarios, n
                                                                      words):
     got = scenarios[rank][name]
     assert all(w in got["said"] for w in words), got["said"]
+    assert got["collectives"] == 0
+
+
+@pytest.mark.parametrize("name, words", [
+    ("learned_replicas_disagree", ["ranks 0 and 1 hold the same shard of 's'", "16 and 8"]),
+    ("learned_none_on_holder", ["the size exchange found", "rank 2 holds a piece of src",
+                                "passed None"]),
+    ("learned_dtype", ["rank 3 passed a tensor of another dtype than torch.float32"]),
+    ("checked_given_disagree", ["the ranks made different calls (layouts, sizes",
+                                "one on ranks [0, 1, 2], another on rank 3"]),
+])
+def test_sizes_that_disagree_raise_the_same_error_on_every_rank(scenarios, name, words):
+    said = [r[name] for r in scenarios]
+    assert len(set(said)) == 1, said
+    assert all(w in said[0] for w in words), said[0]
+
+
+def test_sizes_that_disagree_with_the_bridge_or_the_tensor_raise_before_any_collective(
+        scenarios):
+    for r in scenarios:
+        assert "h=3 but the bridge was built with h=2" in r["fixed_size_contradicted"]
+        assert r["fixed_size_collectives"] == 0 and r["learned_then_ok"]
+    got = scenarios[2]["given_disagree_with_tensor"]
+    assert "rank 2" in got["said"] and "gives it shape (2, 8, 2)" in got["said"], got
     assert got["collectives"] == 0
 
 
