@@ -31,8 +31,9 @@ from itertools import product
 from math import prod
 from typing import Any
 
+from mimo_fx.errors import MimoFxError
 from mimo_fx.local import box_slices
-from mimo_fx.plan import AllReduce, Exchange, Gather, Plan, Reduce, ReduceScatter
+from mimo_fx.plan import AllReduce, Exchange, Gather, Plan, RankPlan, Reduce, ReduceScatter
 from mimo_fx.regions import Box, Interval, Tiling, box_volume, intersect
 
 __all__ = ["View", "Cat", "Scatter", "Op", "Program", "lower", "coalesce"]
@@ -284,8 +285,12 @@ def _member(groups, rank: int):
     return next((g for g, ranks in enumerate(groups) if rank in ranks), None)
 
 
-def lower(plan: Plan, rank: int) -> Program:
-    """The program ``rank`` runs for ``plan``."""
+def lower(plan: Plan | RankPlan, rank: int) -> Program:
+    """The program ``rank`` runs for ``plan``: a whole plan, or ``rank``'s part of one
+    (``plan_for_rank``), which lowers to the same program."""
+    if isinstance(plan, RankPlan) and plan.rank != rank:
+        raise MimoFxError(f"lower: this is rank {plan.rank}'s part of the plan, not rank "
+                          f"{rank}'s; plan rank {rank}'s part with plan_for_rank(..., rank={rank})")
     sizes = dict(plan.sizes)
     res = _Resolver()
     src_expand, src_perm = None, None
