@@ -233,6 +233,19 @@ class Geometry:
             self._readable[key] = found
         return found
 
+    def _readables(self, d: int, owners: set[int]) -> dict[int, range | tuple[int, ...]]:
+        """:meth:`readable` of each of ``owners``, a column at a time where the wanted
+        owners hold one interval each and the hold owners' intervals are consecutive."""
+        want, hold = self.want.tilings[d], self.hold.tilings[d]
+        todo = [o for o in owners if (d, o) not in self._readable]
+        bounds = want.bounds(todo) if hold.rule != "zigzag" and hold._all_owned else None
+        if bounds is not None and len(todo) > 64:
+            firsts = hold.owners_at(bounds[0])
+            lasts = hold.owners_at([b - 1 for b in bounds[1]])
+            for o, a, b, first, last in zip(todo, *bounds, firsts, lasts):
+                self._readable[d, o] = range(first, last + 1) if b > a else ()
+        return {o: self.readable(d, o) for o in owners}
+
     def lacks(self, rho: int) -> bool:
         """Whether want holder ``rho`` lacks anything it wants."""
         readings = [self.readable(d, o) for d, o in enumerate(self.want.owners(rho))]
@@ -279,35 +292,30 @@ class Geometry:
 
     def _kind(self, ranks: range) -> str | None:
         """:meth:`kind` over the want holders among ``ranks``."""
-        wants = self.want.holds_column(ranks)
         wanted = self.want.owner_columns(ranks)
         owners = self.hold.held_owner_columns(ranks)
         readings = [[table[o] for o in column] for table, column in (
-            ({o: self.readable(d, o) for o in set(column)}, column)
-            for d, column in enumerate(wanted))]
-        lacking = wants
-        for column in readings:
-            lacking = [w and len(r) > 0 for w, r in zip(lacking, column)]
-        fits = lacking
-        for column, own in zip(readings, owners):
-            fits = [f and len(r) == 1 and r[0] == c for f, r, c in zip(fits, column, own)]
-        rows = [i for i, (a, f) in enumerate(zip(lacking, fits)) if a and not f]
+            (self._readables(d, set(column)), column) for d, column in enumerate(wanted))]
+        rows = _receivers(self.want.holds_column(ranks), readings, owners)
         if not rows:
             return None
         for column, own in zip(readings, owners):  # a receiver must hold what it sends
             if not all(own[i] in column[i] for i in rows):
                 return "all_to_all"
+
         def pick(column: list) -> list:
             return column if len(rows) == len(ranks) else [column[i] for i in rows]
 
         bases = [r - o for r, o in zip(ranks, self._owning_parts(ranks, owners))]
-        groups = list(zip(pick(bases), *map(pick, readings)))  # (replica, cells read)
-        sizes = {g: prod(map(len, g[1:])) for g in set(groups)}
-        if Counter(groups) != sizes:
+        groups, sizes = _group_ids(pick(bases), [pick(c) for c in readings], ranks.stop)
+        counts = Counter(groups)
+        if any(n != sizes[g] for g, n in counts.items()):
             return "all_to_all"  # a group some of whose members do not name it
-        first: dict[tuple, tuple[int, ...]] = {}
-        for g, w in zip(groups, zip(*map(pick, wanted))):
-            if sizes[g] > 2 and first.setdefault(g, w) != w:
+        big = [i for i, g in enumerate(groups) if sizes[g] > 2]
+        for column in map(pick, wanted):  # members of groups of three or more want alike
+            column = [column[i] for i in big]
+            first = dict(zip(reversed([groups[i] for i in big]), reversed(column)))
+            if [first[groups[i]] for i in big] != column:
                 return "all_to_all"  # a sender would send its receivers different boxes
         return "all_gather"
 
@@ -318,6 +326,37 @@ class Geometry:
             table = {o: self.hold.offset(d, o) for o in set(column) if o >= 0}
             parts = [p + table.get(o, 0) for p, o in zip(parts, column)]
         return parts
+
+
+def _receivers(wants: list[bool], readings: list[list], owners: list[list[int]]) -> list[int]:
+    """The rows of the ranks that want something they do not hold."""
+    wanting = wants
+    for column in readings:
+        wanting = [w and len(r) > 0 for w, r in zip(wanting, column)]
+    fits = wanting
+    for column, own in zip(readings, owners):
+        fits = [f and len(r) == 1 and r[0] == c for f, r, c in zip(fits, column, own)]
+    return [i for i, (w, f) in enumerate(zip(wanting, fits)) if w and not f]
+
+
+def _group_ids(bases: list[int], readings: list[list], radix: int) -> tuple[list[int], dict]:
+    """Each row's group as one integer (its replica, ``bases`` < ``radix``, and the owner
+    sets it reads per dim, numbered) and every group's size (the product of those sets'
+    sizes)."""
+    groups, sizes = bases, {}
+    lengths: list[int] = [1]  # per combination of owner-set numbers, the group's size
+    for column in readings:
+        ids = {r: i for i, r in enumerate(set(column))}
+        groups = [g + ids[r] * radix for g, r in zip(groups, column)]
+        radix *= len(ids)
+        per_id = [0] * len(ids)
+        for r, i in ids.items():
+            per_id[i] = len(r)
+        lengths = [a * b for a in per_id for b in lengths]
+    first = radix // len(lengths)  # the radix of the first owner-set number
+    for g in set(groups):
+        sizes[g] = lengths[g // first]
+    return groups, sizes
 
 
 class ReduceCosts:
@@ -334,11 +373,14 @@ class ReduceCosts:
         self.src_sub = hold.axes_column(src, axes)
         self.wants = want.holds_column(ranks)
         self.wanted = want.owner_columns(ranks)
-        self.owners = hold.held_owner_columns(ranks)
-        inside = range(max(ranks.start, src.start), min(ranks.stop, src.stop))
-        before = max(0, min(inside.start, ranks.stop) - ranks.start)
-        self.sub = ([0] * before + (hold.axes_column(inside, axes) if len(inside) else [])
-                    + [0] * (len(ranks) - before - len(inside)))
+        if ranks == src and not hold.pinned:  # the same ranks: the same columns
+            self.owners, self.sub = self.src_owners, self.src_sub
+        else:
+            self.owners = hold.held_owner_columns(ranks)
+            inside = range(max(ranks.start, src.start), min(ranks.stop, src.stop))
+            before = max(0, min(inside.start, ranks.stop) - ranks.start)
+            self.sub = ([0] * before + (hold.axes_column(inside, axes) if len(inside) else [])
+                        + [0] * (len(ranks) - before - len(inside)))
         self.total = _multiply([_lengths(t, c) for t, c in zip(want.tilings, self.wanted)])
         self._lengths = [_lengths(t, c) for c, t in zip(self.src_owners, hold.tilings)]
         self._meets: dict[int, list[int]] = {}
@@ -349,21 +391,28 @@ class ReduceCosts:
         hold = self.hold
         refined = hold.refine(hold.dims[dim], self.axes).tilings[dim]
         k = prod(hold.grid.axis_size(a) for a in self.axes)
-        lengths = list(self._lengths)
-        lengths[dim] = _lengths(refined, [c * k + s for c, s in zip(self.src_owners[dim],
-                                                                      self.src_sub)])
         src = hold.grid.ranks
-        recv = {r: (k - 1) * v
-                for r, v, h in zip(src, _multiply(lengths), self.src_holds) if h}
+        owners = [c * k + s for c, s in zip(self.src_owners[dim], self.src_sub)]
+        bounds = refined.bounds(owners)
+        lengths = list(self._lengths)
+        lengths[dim] = (_lengths(refined, owners) if bounds is None
+                        else [b - a for a, b in zip(*bounds)])
+        reduced = [(k - 1) * v if h else 0 for v, h in zip(_multiply(lengths), self.src_holds)]
         meets = [self._meet_column(d) for d in range(len(hold.dims))]
-        meets[dim] = _meets(self.want.tilings[dim], self._wanted_bounds(dim), refined, [
-            c * k + s if c >= 0 else -1 for c, s in zip(self.owners[dim], self.sub)])
-        exchanged = 0
-        for r, w, n, m in zip(self.want.grid.ranks, self.wants, self.total, _multiply(meets)):
-            if w and n > m:
-                recv[r] = recv.get(r, 0) + n - m
-                exchanged += n - m
-        return max(recv.values(), default=0), exchanged
+        aligned = [c * k + s if c >= 0 else -1 for c, s in zip(self.owners[dim], self.sub)]
+        same = self.want.grid.ranks == src and bounds is not None
+        meets[dim] = _meets(self.want.tilings[dim], self._wanted_bounds(dim), refined, aligned,
+                            bounds if same else None)
+        missing = [n - m if w else 0 for w, n, m in zip(self.wants, self.total, _multiply(meets))]
+        ranks = self.want.grid.ranks
+        if ranks == src:
+            return max(map(sum, zip(reduced, missing)), default=0), sum(missing)
+        first = min(src.start, ranks.start)
+        recv = [0] * (max(src.stop, ranks.stop) - first)
+        for start, column in ((src.start, reduced), (ranks.start, missing)):
+            at = start - first
+            recv[at:at + len(column)] = [a + b for a, b in zip(recv[at:], column)]
+        return max(recv, default=0), sum(missing)
 
     def _meet_column(self, d: int) -> list[int]:
         if d not in self._meets:
@@ -386,11 +435,14 @@ def _lengths(tiling: DimTiling, owners: list[int]) -> list[int]:
     return [b - a for a, b in zip(*bounds)]
 
 
-def _meets(want: DimTiling, wanted_bounds, hold: DimTiling, owners: list[int]) -> list[int]:
+def _meets(want: DimTiling, wanted_bounds, hold: DimTiling, owners: list[int],
+           held=None) -> list[int]:
     """Per row, the length of the dim a want owner and hold owner ``owners`` (-1: none)
-    both cover; ``wanted_bounds`` is the want owners and their :meth:`bounds`."""
+    both cover; ``wanted_bounds`` is the want owners and their :meth:`bounds`, ``held``
+    the hold owners' if known."""
     wanted, bounds = wanted_bounds
-    held = hold.bounds([max(o, 0) for o in owners])
+    if held is None:
+        held = hold.bounds([max(o, 0) for o in owners])
     if bounds is None or held is None:
         return _lookup(list(zip(wanted, owners)), lambda pair: _meet(want, hold, *pair))
     return [max(0, min(y, v) - max(x, u)) if o >= 0 else 0

@@ -50,7 +50,7 @@ from math import prod
 from .errors import MimoFxError
 from .exchange import Geometry, ReduceCosts, Transfer, want_holders
 from .layout import Layout
-from .regions import Box, Tiling, box_volume, intersect
+from .regions import Box, Tiling, _digit_column, box_volume, intersect
 
 __all__ = [
     "Collective", "Transfer", "ReduceScatter", "AllReduce", "Reduce", "Gather", "Exchange",
@@ -638,6 +638,14 @@ def _fusable(before: Tiling, want: Tiling, dim: str, axes: tuple[str, ...]) -> b
     cuts it, and every member's share is non-empty. Then the all-gather's groups are the
     reduce-scatter's and each member sends exactly its share. A column at a time."""
     ranks = before.grid.ranks
+    head = range(ranks.start, min(ranks.stop, ranks.start + 64))
+    return _fusable_over(head, before, want, dim, axes) and (
+        head == ranks or _fusable_over(ranks, before, want, dim, axes))
+
+
+def _fusable_over(ranks: range, before: Tiling, want: Tiling, dim: str,
+                  axes: tuple[str, ...]) -> bool:
+    """:func:`_fusable` for the src holders among ``ranks``."""
     k = prod(before.grid.axis_size(a) for a in axes)
     held = before.holds_column(ranks)
     cut = before.dims.index(dim)
@@ -765,3 +773,4 @@ def clear_caches() -> None:
     _plan.cache_clear()
     _rank_plan.cache_clear()
     _frame.cache_clear()
+    _digit_column.cache_clear()

@@ -14,7 +14,7 @@ A box is a tuple of ``(start, stop)`` per dim, in the plan's canonical dim order
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from itertools import product
 from math import prod
 
@@ -187,6 +187,10 @@ class DimTiling:
         when it holds none), a column at a time; None under zigzag (two intervals)."""
         if self.rule == "zigzag":
             return None
+        distinct = set(owners)
+        if 8 * len(distinct) < len(owners):  # few owners, many rows: look them up
+            held = {o: self.owned(o) or ((0, 0),) for o in distinct}
+            return [held[o][0][0] for o in owners], [held[o][0][1] for o in owners]
         sub = self._sub
         base = owners if sub == 1 else [o // sub for o in owners]
         if self.rule == "chunk":
@@ -196,12 +200,21 @@ class DimTiling:
             q, r = divmod(self.size, prod(self._base))
             lo = [k * q + (k if k < r else r) for k in base]
             hi = [a + q + (k < r) for a, k in zip(lo, base)]
-        if sub > 1:  # each cut into ``sub`` tensor_split parts
-            parts = [divmod(b - a, sub) for a, b in zip(lo, hi)]
-            lo = [a + j * q + (j if j < r else r)
-                  for a, (q, r), j in zip(lo, parts, (o % sub for o in owners))]
-            hi = [a + q + (j < r) for a, (q, r), j in zip(lo, parts, (o % sub for o in owners))]
+        if sub > 1:  # each cut into ``sub`` tensor_split parts: few lengths, few parts
+            keys = list(zip([b - a for a, b in zip(lo, hi)], [o % sub for o in owners]))
+            cuts = {key: _split_interval(key[0], sub, key[1]) for key in set(keys)}
+            pieces = [cuts[key] for key in keys]
+            lo, hi = [a + c[0] for a, c in zip(lo, pieces)], [a + c[1] for a, c in zip(lo, pieces)]
         return lo, hi
+
+    def owners_at(self, xs: list[int]) -> list[int]:
+        """The owner of the interval holding each position of ``xs`` (see :meth:`locate`),
+        in closed form for an unrefined ``tensor_split``."""
+        if self.rule != "tensor_split" or self.refined:
+            return [self.locate(x)[2] for x in xs]
+        q, r = divmod(self.size, prod(self._base))
+        big = r * (q + 1)
+        return [x // (q + 1) if x < big else r + (x - big) // q for x in xs]
 
     def _base_locate(self, x: int) -> tuple[int, int, int]:
         if self.rule == "zigzag":
@@ -310,8 +323,10 @@ def _canonical(owners) -> range | tuple[int, ...]:
     return tuple(owners)
 
 
+@lru_cache(maxsize=16)
 def _digit_column(local: range, stride: int, size: int) -> list[int]:
-    """``(i // stride) % size`` for every ``i`` of ``local``, by repeating one period."""
+    """``(i // stride) % size`` for every ``i`` of ``local``, by repeating one period
+    (remembered: one plan's passes over the ranks ask for the same ones; read only)."""
     period = stride * size
     block = [c for c in range(size) for _ in range(stride)]
     start = local.start % period
@@ -411,6 +426,9 @@ class Tiling:
         local = range(ranks.start - self.grid.offset, ranks.stop - self.grid.offset)
         columns = []
         for axes in self._digits:
+            if len(axes) == 1 and axes[0][2] == 1:  # one axis: the owner is its coordinate
+                columns.append(_digit_column(local, *axes[0][:2]))
+                continue
             column = [0] * len(local)
             for stride, n, w in axes:
                 column = [a + b * w for a, b in zip(column, _digit_column(local, stride, n))]
