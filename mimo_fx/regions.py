@@ -244,10 +244,12 @@ class DimTiling:
             q, r = divmod(self.size, parts)
             first, last = (_split_index(self.size, parts, x) for x in (start, stop - 1))
             out = []
+            owned = self._owned
             for k in range(first, last + 1):
                 lo = k * q + (k if k < r else r)
                 hi = lo + q + (k < r)
-                whole = (lo, hi)
+                # the owner's own interval object: whole-world plans share it, not copy it
+                whole = owned[k][0] if k in owned else owned.setdefault(k, ((lo, hi),))[0]
                 piece = whole if start <= lo and hi <= stop else (max(start, lo), min(stop, hi))
                 out.append((piece, whole, k))
             return out
