@@ -1,13 +1,14 @@
 """Every mimo_fx benchmark in one command, results written under ``bench/results/``.
 
-    python bench/all.py            # full runs (about 2 minutes on 2 cores)
+    python bench/all.py            # full runs (about 5 minutes on 2 cores)
     python bench/all.py --quick    # fewer sizes and calls, results not written
 
 Runs, one after the other so they do not disturb each other's timings:
 
 1. ``plan_quality.py``: bytes per rank vs the lower bound and a leader-based bridge at
    8-4096 ranks, the alpha-beta cluster model; writes ``plan_quality.txt`` and ``.png``.
-2. ``plan_speed.py``: planning time from 8 to 4096 ranks -> ``plan_speed.txt``.
+2. ``plan_speed.py``: planning time, whole world to 4096 ranks and one rank's part to
+   65,536 ranks -> ``plan_speed.txt``.
 3. ``dtensor_compare.py``: measured on 8 gloo processes, mimo_fx vs DTensor vs an
    eager leader-based bridge vs the bare collectives -> ``dtensor_compare_gloo8.txt``.
 4. ``compiled_speed.py``: redistribute vs the bare collectives it lowers to, call

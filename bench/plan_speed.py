@@ -1,36 +1,38 @@
-"""How fast the planner is: ``mimo_fx.plan.plan(src, dst, sizes, dtype)`` at 8 to 4096 ranks.
+"""How fast the planner is: whole-world ``plan()`` to 4,096 ranks and one rank's part
+(``plan_for_rank``) to 65,536 ranks.
 
-For each common bridge case (colocated fan-in with zigzag CP, fan-out, TP2xDP <-> TP4xDP,
-a partial TP input made TP-sharded, pipelined disjoint grids) and each world size it
-prints:
+The cases are the bridges of ``bench/plan_quality.py``'s table (colocated fan-in,
+fan-out, equal DP to zigzag CP, fan-in to zigzag CP, a partial TP input, two pipelined
+bridges onto the other half of the ranks) and a dense all-to-all, ``(dp b) s h`` ->
+``b (dp s) h`` on one DP(N) grid, where every rank sends to every rank. Sizes: s = h =
+4096, bf16 (2 bytes), b = the least common multiple of the src and dst dp sizes; the
+dense case has b = N and s = lcm(4096, N), so each rank sends and receives N - 1 pieces.
 
-- plan ms: cold planning time (wall clock), best of 3. Before every timed call the plan
-  cache is cleared (``_plan.cache_clear()`` of the module ``mimo_fx.plan``; the package
-  attribute ``mimo_fx.plan`` is the function) and the grids and layouts are built afresh
-  (untimed), so their cached properties are recomputed too.
-- cpu ms: the same calls' process CPU time, best of 3; steadier than the wall clock
-  when other processes share the machine.
-- growth: time at N over time at N/8, wall / cpu. ~8x per 8x ranks is linear, ~64x
-  quadratic; the verdict line turns it into an exponent (time ~ N^e, from cpu time).
-- cost ms: the first evaluation of ``plan.max_recv`` and ``plan.max_lower_bound``
-  (lazy, not part of ``plan()``, but paid by whoever prints or checks the cost).
-- cached µs: a repeat call of ``plan()`` with equal arguments (a cache hit).
-- steps: the collective kinds in issue order, with the number of groups of each.
-- a2a pieces: transfers in all-to-all steps (gathers and reductions carry none).
-- max recv / lower bound: ``plan.max_recv`` and ``plan.max_lower_bound``, bytes per rank.
+**Whole world** (``plan(src, dst, sizes, dtype)``, every rank's steps) at 8, 64, 512 and
+4,096 ranks (the dense case to 2,048: 4,192,256 transfers):
 
-The verdict (planning at 4096 ranks under 1 s) is judged on cpu time, the planner's own
-cost; the wall time is printed next to it. The header prints a calibration loop's time so
-absolute numbers can be scaled to another machine.
+- plan ms / cpu ms: cold planning time (wall clock, and process CPU time, steadier on a
+  shared machine), best of 3. Before every timed call the plan caches are cleared
+  (``mimo_fx.plan.clear_caches()``) and the grids and layouts are built afresh (untimed).
+- growth: the CPU time's exponent against the previous world size (time ~ N^e; 1.0 is
+  linear in the ranks; the dense case's transfers grow as N^2, so 2.0 is linear in them).
+- cost ms: the first evaluation of ``plan.max_recv`` and ``plan.max_lower_bound``.
+- cached µs: a repeat call with equal arguments (a cache hit).
+- steps, a2a transfers, max recv / lower bound (bytes per rank).
 
-Sizes: s = h = 4096, bf16 (2 bytes), b = the least common multiple of the src and dst
-dp sizes (one sample per rank of the wider data-parallel side). The pipelined case needs
-N >= 16 (its dst grid has dp = N/16) and is shown as n/a at 8 ranks.
+**Per rank** (``plan_for_rank(..., rank=r)``: the steps with only what rank r takes part
+in) at 8, 512, 4,096 and 65,536 ranks, for rank 0 and a middle rank (N/2 + 1), cold
+(caches cleared, fresh layouts), best of 3: wall and CPU ms, the exponent of the CPU
+time against the previous world size, and the rank's own transfers and groups. The
+verdict asks for at most 1 s of CPU per rank at 65,536 ranks.
+
+The header prints a calibration loop's time so absolute numbers can be scaled to another
+machine.
 
 Run from the repository root::
 
-    python bench/plan_speed.py           # 8, 64, 512 and 4096 ranks
-    python bench/plan_speed.py --quick   # 8 and 64 ranks only
+    python bench/plan_speed.py           # both modes, all sizes (about 3 minutes)
+    python bench/plan_speed.py --quick   # whole world at 8 and 64, per rank at 8 and 512
 """
 
 from __future__ import annotations
@@ -38,115 +40,89 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 import timeit
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from common import collectives
+from plan_quality import CASES as QUALITY_CASES
+from plan_quality import Case
 from tabulate import tabulate
 
 from mimo_fx import Grid, Layout
-from mimo_fx.plan import Exchange, Plan, _plan, plan
+from mimo_fx.plan import Exchange, Plan, RankPlan, clear_caches, plan, plan_for_rank
 
 WORLDS = (8, 64, 512, 4096)
-QUICK_WORLDS = (8, 64)
+DENSE_WORLDS = (8, 64, 512, 2048)
+RANK_WORLDS = (8, 512, 4096, 65536)
+QUICK = {"worlds": (8, 64), "dense": (8, 64), "ranks": (8, 512)}
 S = H = 4096
 ITEMSIZE = 2  # bf16; plan() takes anything with an itemsize, or the itemsize itself
-COLD_REPEATS = 3
-LIMIT_S = 1.0  # the verdict: planning at 4096 ranks must stay under this
-
-Case = tuple[Layout, Layout, dict[str, int]]
+REPEATS = 3
+LIMIT_S = 1.0  # the per-rank verdict: one rank's part at 65,536 ranks within this
 
 
-def _sizes(*grids: Grid) -> dict[str, int]:
-    dps = [dict(zip(g.names, g.sizes))["dp"] for g in grids]
-    return {"b": math.lcm(*dps), "s": S, "h": H}
+def dense(n: int) -> Case:
+    """Every rank sends to every rank: a batch shard becomes a sequence shard."""
+    grid = Grid(dp=n)
+    return Case(Layout(grid, "(dp b) s h"), Layout(grid, "b (dp s) h"),
+                {"b": n, "s": math.lcm(S, n), "h": H})
 
 
-def fan_in(n: int) -> Case:
-    src = Grid(tp=2, dp=n // 2)
-    dst = Grid(tp=2, cp=2, dp=n // 4)
-    return (Layout(src, "(dp b) s h"), Layout(dst, "(dp b) (cp s) h", zigzag=("cp",)),
-            _sizes(src, dst))
-
-
-def fan_out(n: int) -> Case:
-    src, dst = Grid(tp=4, dp=n // 4), Grid(tp=2, dp=n // 2)
-    return Layout(src, "(dp b) s h"), Layout(dst, "(dp b) s h"), _sizes(src, dst)
-
-
-def tp2_to_tp4(n: int) -> Case:
-    src, dst = Grid(tp=2, dp=n // 2), Grid(tp=4, dp=n // 4)
-    return Layout(src, "(dp b) s h"), Layout(dst, "(dp b) s h"), _sizes(src, dst)
-
-
-def partial_tp(n: int) -> Case:
-    grid = Grid(tp=2, dp=n // 2)
-    return (Layout(grid, "(dp b) s h", partial=("tp",)), Layout(grid, "(dp b) s (tp h)"),
-            _sizes(grid))
-
-
-def pipelined(n: int) -> Case | None:
-    if n < 16:
-        return None
-    src = Grid(tp=2, pp=2, dp=n // 8)
-    dst = Grid(tp=4, pp=2, dp=n // 16, offset=n // 2)
-    return (Layout(src, "(dp b) s h", at={"pp": -1}), Layout(dst, "(dp b) s h", at={"pp": 0}),
-            _sizes(src, dst))
-
-
-CASES: tuple[tuple[str, Callable[[int], Case | None]], ...] = (
-    ("colocated fan-in: TP2xDP(N/2) -> TP2xCP2xDP(N/4) zigzag cp", fan_in),
-    ("colocated fan-out: TP4xDP(N/4) -> TP2xDP(N/2)", fan_out),
-    ("colocated equal (as briefed): TP2xDP(N/2) -> TP4xDP(N/4)", tp2_to_tp4),
-    ("TP-partial -> TP-sharded h: TP2xDP(N/2)", partial_tp),
-    ("pipelined: TP2xPP2xDP(N/8) pp=-1 -> TP4xPP2xDP(N/16)+N/2 pp=0", pipelined),
-)
+CASES: tuple[tuple[str, Callable[[int], Case]], ...] = (
+    *QUALITY_CASES, ("dense all-to-all DP(N): (dp b) s h -> b (dp s) h", dense))
 
 
 @dataclass
-class Row:
+class Timing:
     world: int
-    plan_s: float | None = None
-    cpu_s: float | None = None
+    wall: float
+    cpu: float
+    result: Plan | RankPlan
+    rank: int | None = None
     cost_s: float | None = None
     cached_s: float | None = None
-    result: Plan | None = None
 
 
-def _cold(
-    build: Callable[[int], Case | None], n: int, repeats: int
-) -> tuple[float, float, float, Plan]:
-    """Best of ``repeats`` cold plans (fresh layouts, empty cache): wall and cpu seconds;
-    then the wall time of the first cost evaluation."""
+def _cold(call: Callable[[Case], Plan | RankPlan], build: Callable[[int], Case], n: int,
+          repeats: int) -> tuple[float, float, Plan | RankPlan]:
+    """Best of ``repeats`` cold calls (fresh layouts, caches cleared): wall and cpu s."""
     wall = cpu = math.inf
     result = None
     for _ in range(repeats):
-        src, dst, sizes = build(n)
-        _plan.cache_clear()
+        case = build(n)
+        result = None  # free the previous plan before the next is made
+        clear_caches()
         start, start_cpu = time.perf_counter(), time.process_time()
-        result = plan(src, dst, sizes, ITEMSIZE)
+        result = call(case)
         wall = min(wall, time.perf_counter() - start)
         cpu = min(cpu, time.process_time() - start_cpu)
+    assert result is not None
+    return wall, cpu, result
+
+
+def whole(build: Callable[[int], Case], n: int, repeats: int) -> Timing:
+    wall, cpu, result = _cold(lambda c: plan(c.src, c.dst, c.sizes, ITEMSIZE), build, n,
+                              repeats)
+    assert isinstance(result, Plan)
     start = time.perf_counter()
     _ = result.max_recv, result.max_lower_bound
-    return wall, cpu, time.perf_counter() - start, result
-
-
-def _cached(src: Layout, dst: Layout, sizes: dict[str, int]) -> float:
-    """Seconds per cache-hit call of ``plan()`` with the same argument objects."""
-    plan(src, dst, sizes, ITEMSIZE)
-    timer = timeit.Timer(lambda: plan(src, dst, sizes, ITEMSIZE))
-    number = 2000
-    return min(timer.repeat(repeat=5, number=number)) / number
-
-
-def measure(build: Callable[[int], Case | None], n: int, repeats: int) -> Row:
+    cost = time.perf_counter() - start
     case = build(n)
-    if case is None:
-        return Row(n)
-    plan_s, cpu_s, cost_s, result = _cold(build, n, repeats)
-    return Row(n, plan_s, cpu_s, cost_s, _cached(*case), result)
+    plan(case.src, case.dst, case.sizes, ITEMSIZE)
+    timer = timeit.Timer(lambda: plan(case.src, case.dst, case.sizes, ITEMSIZE))
+    cached = min(timer.repeat(repeat=5, number=1000)) / 1000
+    return Timing(n, wall, cpu, result, None, cost, cached)
+
+
+def one_rank(build: Callable[[int], Case], n: int, rank: int, repeats: int) -> Timing:
+    def call(c: Case) -> RankPlan:
+        return plan_for_rank(c.src, c.dst, c.sizes, ITEMSIZE, rank=rank)
+
+    wall, cpu, result = _cold(call, build, n, repeats)
+    return Timing(n, wall, cpu, result, rank)
 
 
 # -- printing ------------------------------------------------------------------------------
@@ -159,86 +135,100 @@ def _fmt_bytes(n: int) -> str:
     return f"{value:.2f} GiB"
 
 
-def _steps(p: Plan) -> str:
-    if not p.steps:
-        return "local"
-    return " + ".join(f"{kind.value}[{groups}g]" if groups > 1 else kind.value
-                      for kind, groups in p.collectives)
-
-
-def _pieces(p: Plan) -> int:
+def _transfers(p: Plan | RankPlan) -> int:
     return sum(len(s.transfers) for s in p.steps if isinstance(s, Exchange))
 
 
-def table_rows(rows: list[Row]) -> list[list[object]]:
+def _exponent(prev: Timing | None, t: Timing) -> str:
+    if prev is None or prev.cpu <= 0 or t.cpu <= 0:
+        return "-"
+    return f"N^{math.log(t.cpu / prev.cpu, t.world / prev.world):.2f}"
+
+
+def whole_table(rows: list[Timing]) -> str:
     out = []
-    by_world = {r.world: r for r in rows}
-    for r in rows:
-        if r.result is None:
-            out.append([r.world, "n/a", "", "", "", "", "n/a (grid needs N >= 16)", "", "",
-                        ""])
-            continue
-        prev = by_world.get(r.world // 8)
-        growth = "-"
-        if prev is not None and prev.plan_s and prev.cpu_s:
-            growth = f"{r.plan_s / prev.plan_s:.1f}x / {r.cpu_s / prev.cpu_s:.1f}x"
-        p = r.result
+    for prev, t in zip([None, *rows], rows):
+        p = t.result
+        assert isinstance(p, Plan) and t.cost_s is not None and t.cached_s is not None
         ratio = f"{p.max_recv / p.max_lower_bound:.2f}x" if p.max_lower_bound else "-"
-        out.append([
-            r.world, f"{r.plan_s * 1e3:.2f}", f"{r.cpu_s * 1e3:.2f}", growth,
-            f"{r.cost_s * 1e3:.2f}", f"{r.cached_s * 1e6:.2f}", _steps(p), _pieces(p),
-            _fmt_bytes(p.max_recv),
-            f"{_fmt_bytes(p.max_lower_bound)} ({ratio})",
-        ])
-    return out
+        out.append([t.world, f"{t.wall * 1e3:.2f}", f"{t.cpu * 1e3:.2f}", _exponent(prev, t),
+                    f"{t.cost_s * 1e3:.2f}", f"{t.cached_s * 1e6:.2f}", collectives(p),
+                    _transfers(p), _fmt_bytes(p.max_recv),
+                    f"{_fmt_bytes(p.max_lower_bound)} ({ratio})"])
+    return tabulate(out, disable_numparse=True, colalign=("right",) * 6 + ("left",)
+                    + ("right",) * 3,
+                    headers=["world", "plan ms (cold)", "cpu ms", "growth", "cost ms",
+                             "cached µs", "steps", "a2a transfers", "max recv",
+                             "lower bound (recv/LB)"])
 
 
-HEADERS = ["world", "plan ms (cold)", "cpu ms", "growth vs N/8", "cost ms", "cached µs",
-           "steps", "a2a pieces", "max recv", "lower bound (recv/LB)"]
+def rank_table(rows: list[Timing]) -> str:
+    out = []
+    by = {(t.world, t.rank): t for t in rows}
+    worlds = sorted({t.world for t in rows})
+    for t in rows:
+        p = t.result
+        assert isinstance(p, RankPlan)
+        before = [w for w in worlds if w < t.world]
+        prev = by.get((before[-1], 0 if t.rank == 0 else before[-1] // 2 + 1)) if before else None
+        groups = sum(len(s.rank_groups) for s in p.steps if not isinstance(s, Exchange))
+        out.append([t.world, t.rank, f"{t.wall * 1e3:.2f}", f"{t.cpu * 1e3:.2f}",
+                    _exponent(prev, t), _transfers(p), groups,
+                    " + ".join(s.kind.value for s in p.steps) or "local"])
+    return tabulate(out, disable_numparse=True, colalign=("right",) * 7 + ("left",),
+                    headers=["world", "rank", "plan ms (cold)", "cpu ms", "growth",
+                             "its transfers", "its groups", "steps"])
 
 
-def verdict(name: str, rows: list[Row]) -> str:
-    timed = [r for r in rows if r.plan_s is not None]
-    pairs = [(a, b) for a in timed for b in timed if b.world == 8 * a.world]
-    exps = [math.log(b.cpu_s / a.cpu_s, 8) for a, b in pairs if a.cpu_s and b.cpu_s]
-    growth = (f"growth ~N^{exps[-1]:.2f} over the last 8x ({timed[-2].world}->"
-              f"{timed[-1].world})" if exps else "growth: too few sizes")
-    last = timed[-1] if timed else None
-    if last is None or last.world != 4096:
-        return f"{name}: 4096 ranks not run (--quick); {growth}"
-    ok = last.cpu_s < LIMIT_S
-    return (f"{name}: planning at 4096 ranks {last.cpu_s * 1e3:.0f} ms cpu "
-            f"({last.plan_s * 1e3:.0f} ms wall) {'<' if ok else '>='} 1 s -> "
-            f"{'OK' if ok else 'TOO SLOW'}; {growth}")
+def verdict(name: str, rows: list[Timing]) -> str:
+    largest = max(t.world for t in rows)
+    last = [t for t in rows if t.world == largest]
+    worst = max(last, key=lambda t: t.cpu)
+    if largest != RANK_WORLDS[-1]:
+        return f"{name}: {largest} ranks at most (--quick); worst {worst.cpu * 1e3:.0f} ms cpu"
+    ok = worst.cpu <= LIMIT_S
+    return (f"{name}: one rank's part at {largest} ranks takes {worst.cpu * 1e3:.0f} ms cpu "
+            f"at most (rank {worst.rank}; {worst.wall * 1e3:.0f} ms wall) "
+            f"{'<=' if ok else '>'} 1 s -> {'OK' if ok else 'TOO SLOW'}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="only 8 and 64 ranks")
-    parser.add_argument("--repeat", type=int, default=COLD_REPEATS, metavar="K",
-                        help=f"cold timings: best of K (default {COLD_REPEATS})")
+    parser.add_argument("--quick", action="store_true", help="a few small sizes only")
+    parser.add_argument("--repeat", type=int, default=REPEATS, metavar="K",
+                        help=f"cold timings: best of K (default {REPEATS})")
     args = parser.parse_args(argv)
-    worlds = QUICK_WORLDS if args.quick else WORLDS
+    worlds = QUICK["worlds"] if args.quick else WORLDS
+    dense_worlds = QUICK["dense"] if args.quick else DENSE_WORLDS
+    rank_worlds = QUICK["ranks"] if args.quick else RANK_WORLDS
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     calib = min(timeit.repeat("sum(range(10000))", number=100, repeat=5)) / 100
-    print(f"plan() speed; s=h={S}, itemsize={ITEMSIZE}, b=lcm(dp sizes); cold = best of "
-          f"{args.repeat} with the plan cache cleared and fresh layouts")
+    print(f"planning speed; s=h={S}, itemsize={ITEMSIZE}, b=lcm(dp sizes); cold = best of "
+          f"{args.repeat} with the plan caches cleared and fresh layouts")
     print(f"machine: {os.cpu_count()} CPUs, load average {load}; calibration "
           f"sum(range(10000)) = {calib * 1e6:.0f} µs (about 100 µs on a recent desktop)\n")
     for _, build in CASES:  # warm-up: import-time and first-call costs, untimed
-        measure(build, 64, 1)
+        whole(build, 64, 1)
     verdicts = []
+    print("== whole world: plan(), every rank's steps ==\n")
     for name, build in CASES:
-        rows = [measure(build, n, args.repeat) for n in worlds]
+        sizes = dense_worlds if build is dense else worlds
         print(name)
-        print(tabulate(table_rows(rows), headers=HEADERS, disable_numparse=True,
-                       colalign=("right",) * 6 + ("left", "right", "right", "right")))
-        print()
+        print(whole_table([whole(build, n, args.repeat) for n in sizes]), end="\n\n")
+        print(f"  ({name}: whole world done)", file=sys.stderr, flush=True)
+    print("== per rank: plan_for_rank(), the steps with only what the rank takes part in ==\n")
+    for name, build in CASES:
+        rows = [one_rank(build, n, rank, args.repeat)
+                for n in rank_worlds for rank in (0, n // 2 + 1)]
+        print(name)
+        print(rank_table(rows), end="\n\n")
         verdicts.append(verdict(name, rows))
-    print("Verdicts")
+        print(f"  ({name}: per rank done)", file=sys.stderr, flush=True)
+    print("Verdicts (one rank's part, cpu time)")
     for line in verdicts:
         print(" -", line)
+    return 0 if args.quick or all(line.endswith("OK") for line in verdicts) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -32,8 +32,9 @@ from itertools import product
 from math import prod
 from typing import Any
 
+from mimo_fx.errors import MimoFxError
 from mimo_fx.local import box_slices
-from mimo_fx.plan import AllReduce, Exchange, Gather, Plan, Reduce, ReduceScatter
+from mimo_fx.plan import AllReduce, Exchange, Gather, Plan, RankPlan, Reduce, ReduceScatter
 from mimo_fx.regions import Box, Interval, Tiling, box_volume
 from mimo_fx.sizes import Symbolizer
 from mimo_fx.symbolic import Expr, Undecided, hint, known_ge, smax, smin
@@ -305,9 +306,13 @@ def _member(groups, rank: int):
     return next((g for g, ranks in enumerate(groups) if rank in ranks), None)
 
 
-def lower(plan: Plan, rank: int, sym: Symbolizer | None = None) -> Program:
-    """The program ``rank`` runs for ``plan``; with ``sym`` (a template's symbolizer) its
-    numbers are polynomials in the size variables (see :mod:`mimo_fx.sizes`)."""
+def lower(plan: Plan | RankPlan, rank: int, sym: Symbolizer | None = None) -> Program:
+    """The program ``rank`` runs for ``plan``: a whole plan, or ``rank``'s part of one
+    (``plan_for_rank``), which lowers to the same program. With ``sym`` (a template's
+    symbolizer) its numbers are polynomials in the size variables (:mod:`mimo_fx.sizes`)."""
+    if isinstance(plan, RankPlan) and plan.rank != rank:
+        raise MimoFxError(f"lower: this is rank {plan.rank}'s part of the plan, not rank "
+                          f"{rank}'s; plan rank {rank}'s part with plan_for_rank(..., rank={rank})")
     res = _Resolver()
     src_expand, src_perm, src_shape = None, None, None
     if plan.src.holds(rank):

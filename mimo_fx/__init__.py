@@ -11,15 +11,15 @@ from .errors import MimoFxError
 from .grid import Grid
 from .layout import Layout
 from .op import redistribute
-from .plan import Collective, Plan, backward_plan, plan
+from .plan import Collective, Plan, RankPlan, backward_plan, plan, plan_for_rank
 
 try:
     __version__ = _version("mimo-fx")
 except PackageNotFoundError:  # run from a source tree that is not installed
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "Collective", "Grid", "Layout", "MimoFxError", "Plan",
-           "backward_plan", "plan", "redistribute"]
+__all__ = ["__version__", "Collective", "Grid", "Layout", "MimoFxError", "Plan", "RankPlan",
+           "backward_plan", "plan", "plan_for_rank", "redistribute"]
 
 _SUBPACKAGES = ("compiled", "reference", "mimo", "interop", "testing")
 

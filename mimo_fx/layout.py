@@ -161,10 +161,14 @@ class Layout:
         """The ranks holding a piece, in rank order."""
         if not self.at:
             return tuple(self.grid.ranks)
-        pinned = [(self.grid.axis_index(a), i) for a, i in self.at]
-        coords = self.grid._coords
-        return tuple(r for r in self.grid.ranks
-                     if all(coords[r - self.grid.offset][k] == i for k, i in pinned))
+        grid = self.grid
+        pinned = {grid.axis_index(a): i for a, i in self.at}
+        base = grid.offset + sum(i * grid.strides[k] for k, i in pinned.items())
+        ranks = [base]
+        for k, (size, stride) in enumerate(zip(grid.sizes, grid.strides)):
+            if k not in pinned:  # enumerate the free axes, the fastest innermost
+                ranks = [r + c * stride for c in range(size) for r in ranks]
+        return tuple(sorted(ranks))
 
     # -- validation ----------------------------------------------------------------------
     def with_partial(self, axes: tuple[str, ...] | list[str] | str = ()) -> Layout:

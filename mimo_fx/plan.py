@@ -3,24 +3,29 @@
 ``plan(src, dst, sizes, dtype)`` works on index boxes only and never touches
 ``torch.distributed``; executors (``mimo_fx.reference``, ``mimo_fx.compiled``) run its
 steps. The same inputs give the same plan on every rank, so every rank issues the same
-collectives in the same order.
+collectives in the same order. ``plan_for_rank(..., rank=r)`` is rank ``r``'s part of
+that plan (its groups and transfers only), planned without the other ranks' transfers:
+what a rank of a 65,536-rank job lowers.
 
 How a plan is built:
 
 1. *Reduce*: partial src axes (unless dst keeps them partial) are reduce-scattered inside
    their group, the region cut along the dim that leaves the least peak traffic after
    it, so each element crosses once.
-2. *Exchange*: every dst rank asks, box by box, for what it needs and does not hold; the
-   sender is chosen among the replicas holding the box (the receiver's own replica when
-   it is on the src grid, else round-robin). When the grids are disjoint and dst
-   replicates over some axes, each replica first takes a 1/k share (phase one)...
+2. *Exchange*: every dst rank gets, box by box, what it needs and does not hold, each
+   piece from one holder: the receiver's own replica when it is on the src grid, else
+   the holder its index among the piece's readers names (``mimo_fx.exchange``). When
+   the grids are disjoint and dst replicates over some axes, each replica first takes a
+   1/k share (phase one)...
 3. *Gather*: ...and the replicas all-gather their shares (phase two), so a piece several
    replicas need crosses between the grids once.
 4. The executor assembles every dst rank's local tensor from what it holds.
 
 An exchange whose transfers form disjoint all-gather groups is issued as all-gathers;
 a reduce-scatter followed by an all-gather of the same shares is fused into an all-reduce.
-Everything else is one uneven all-to-all over the union of the grids' ranks.
+Everything else is one uneven all-to-all over the union of the grids' ranks. Those
+decisions, which every rank must take alike, are made from the layouts in one pass over
+the ranks' coordinates (:func:`_frame`), never from the transfers.
 
 >>> from mimo_fx import Grid, Layout
 >>> enc, llm = Grid(tp=2, dp=4), Grid(tp=2, cp=2, dp=2)
@@ -33,20 +38,24 @@ True
 
 from __future__ import annotations
 
+import gc
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cache, cached_property, lru_cache
 from math import prod
 
 from .errors import MimoFxError
+from .exchange import Geometry, ReduceCosts, Transfer, want_holders
 from .layout import Layout
-from .regions import Box, Size, Tiling, box_volume, intersect, total
+from .regions import Box, Size, Tiling, _digit_column, box_volume, intersect, total
 
 __all__ = [
     "Collective", "Transfer", "ReduceScatter", "AllReduce", "Reduce", "Gather", "Exchange",
-    "Plan", "plan", "backward_plan", "check_sizes", "size_arguments", "format_bytes",
+    "Plan", "RankPlan", "plan", "plan_for_rank", "backward_plan", "check_sizes",
+    "size_arguments", "format_bytes",
 ]
 
 
@@ -57,15 +66,6 @@ class Collective(str, Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
     ALL_TO_ALL = "all_to_all"
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """``src`` sends ``box`` (canonical dim order) to ``dst``."""
-
-    src: int
-    dst: int
-    box: Box
 
 
 def _shared_traffic(step, reduce: bool, gather: bool):
@@ -226,7 +226,7 @@ class Plan:
     """A schedule of steps plus the tilings that define what every rank holds and needs.
 
     Compared and hashed by identity: plans are cached, and equal inputs return the same
-    object.
+    object. :meth:`for_rank` is one rank's part of it.
     """
 
     src: Layout
@@ -321,12 +321,18 @@ class Plan:
         """``(kind, number of groups)`` per step, in issue order."""
         return tuple((s.kind, len(s.rank_groups)) for s in self.steps)
 
+    def for_rank(self, rank: int) -> RankPlan:
+        """The part of this plan ``rank`` takes part in (see :class:`RankPlan`)."""
+        return RankPlan(self.src, self.dst, self.dims, self.sizes, self.itemsize,
+                        tuple(_restrict(s, rank) for s in self.steps), self.hold, self.need,
+                        self.reduced_axes, rank)
+
+    # -- printing ------------------------------------------------------------------------
     @property
     def totals(self) -> dict[str, int]:
         """Every dim's global size (a ragged dim's: the sum of its counts)."""
         return {d: total(n) for d, n in self.sizes}
 
-    # -- printing ------------------------------------------------------------------------
     def describe_box(self, box: Box) -> str:
         sizes = self.totals
         parts = [f"{d}[{a}:{b}]" for d, (a, b) in zip(self.dims, box) if (a, b) != (0, sizes[d])]
@@ -367,6 +373,43 @@ class Plan:
         return f"all_gather over {groups}: shares {shares}"
 
 
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's part of a plan: what ``rank`` needs to lower its program.
+
+    The steps are the plan's, in its order, each keeping only what ``rank`` takes part
+    in: a group collective only ``rank``'s group (none if it is in none), an
+    :class:`Exchange` every rank of the union (each issues the all-to-all) but only the
+    transfers ``rank`` sends or receives, in the plan's order. ``hold`` and ``need`` are
+    the plan's tilings. Equal to ``plan(...).for_rank(rank)``; computed without planning
+    the other ranks' transfers.
+    """
+
+    src: Layout
+    dst: Layout
+    dims: tuple[str, ...]
+    sizes: tuple[tuple[str, Size], ...]  # ragged dims: their counts
+    itemsize: int
+    steps: tuple[Step, ...]
+    hold: Tiling = field(repr=False)
+    need: Tiling = field(repr=False)
+    reduced_axes: tuple[str, ...] = ()
+    rank: int = 0
+
+
+def _restrict(step: Step, rank: int) -> Step:
+    """``step`` keeping only the groups or transfers ``rank`` takes part in."""
+    if isinstance(step, Exchange):
+        mine = tuple(t for t in step.transfers if rank in (t.src, t.dst))
+        return Exchange(mine, step.ranks)
+    keep = [g for g, ranks in enumerate(step.groups) if rank in ranks]
+    groups = tuple(step.groups[g] for g in keep)
+    shares = tuple(step.shares[g] for g in keep)
+    if isinstance(step, Gather):
+        return Gather(groups, shares)
+    return type(step)(groups, tuple(step.regions[g] for g in keep), shares)
+
+
 def _fmt_groups(groups) -> str:
     shown = " ".join("(" + ",".join(map(str, g)) + ")" for g in groups[:4])
     more = f" ... {len(groups)} groups" if len(groups) > 4 else ""
@@ -392,12 +435,32 @@ def plan(src: Layout, dst: Layout, sizes: Mapping[str, Size], dtype=None) -> Pla
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise MimoFxError(f"plan needs two Layouts, got {src!r} and {dst!r}")
-    sizes_key = check_sizes(src, dst, sizes)
+    return _plan(src, dst, check_sizes(src, dst, sizes), _itemsize(dtype))
+
+
+def _itemsize(dtype) -> int:
     itemsize = 4 if dtype is None else getattr(dtype, "itemsize", dtype)
     if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize <= 0:
         raise MimoFxError(f"dtype={dtype!r}: give a torch.dtype (or a positive number of "
                           f"bytes per element)")
-    return _plan(src, dst, sizes_key, itemsize)
+    return itemsize
+
+
+def plan_for_rank(src: Layout, dst: Layout, sizes: Mapping[str, Size], dtype=None, *,
+                  rank: int) -> RankPlan:
+    """``rank``'s part of ``plan(src, dst, sizes, dtype)``, planned alone.
+
+    What a rank needs to lower its program (``mimo_fx.compiled.lowering.lower``): the
+    same steps with only the groups and transfers it takes part in. Its cost grows with
+    that rank's own transfers, not the world's; the decisions every rank must take alike
+    take one cheap pass over the ranks. Pure and cached like :func:`plan`.
+    """
+    if not isinstance(src, Layout) or not isinstance(dst, Layout):
+        raise MimoFxError(f"plan_for_rank needs two Layouts, got {src!r} and {dst!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise MimoFxError(f"plan_for_rank: rank={rank!r} must be a non-negative integer (the "
+                          f"rank whose part to plan)")
+    return _rank_plan(src, dst, check_sizes(src, dst, sizes), _itemsize(dtype), rank)
 
 
 def backward_plan(
@@ -475,9 +538,8 @@ def _check_size(dim: str, n, ragged: bool = False, prefix: str = "") -> None:
                           f"counts: {dim}={n!r} must be {what} of non-negative integers "
                           f"(one per ragged shard, or per segment)")
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        kind = ("a tuple of counts (it is cut ragged)" if ragged
-                else "a positive integer (the global size)")
-        raise MimoFxError(f"{prefix}size {dim}={n!r} must be {kind}")
+        raise MimoFxError(f"{prefix}size {dim}={n!r} must be a positive integer (the global "
+                          f"size)")
 
 
 def check_sizes(src: Layout, dst: Layout,
@@ -512,36 +574,67 @@ def check_sizes(src: Layout, dst: Layout,
                  for d in src.dims)
 
 
-# bounded: a run whose sizes change every step plans many sizes, and a plan at thousands
-# of ranks holds many transfers
+# -- what every rank's part of a plan derives from ------------------------------------------
+@dataclass(frozen=True)
+class _Frame:
+    """The decisions of a plan that every rank must take alike (tilings, the reduction's
+    cut, whether there is an exchange and which collective it is), each computed from
+    the layouts alone in at most one cheap pass over the ranks."""
+
+    src: Layout
+    dst: Layout
+    dims: tuple[str, ...]
+    before: Tiling      # what src holds
+    hold: Tiling        # what src holds after the reduction (before it if none)
+    need: Tiling        # what dst needs
+    exchange: Geometry  # what the exchange delivers: need, or its first phase's share
+    reduce_axes: tuple[str, ...]
+    gather_axes: tuple[str, ...]  # the second phase's axes (disjoint grids only)
+    kind: str | None    # the exchange: None, "all_gather" or "all_to_all"
+    fused: bool         # reduce-scatter + all-gather of the same shares: one all-reduce
+
+    @cached_property
+    def union(self) -> tuple[int, ...]:
+        """The ranks of both grids, in order: every one issues the all-to-all."""
+        a, b = sorted((self.src.grid.ranks, self.dst.grid.ranks), key=lambda r: r.start)
+        if b.start <= a.stop:
+            return tuple(range(a.start, max(a.stop, b.stop)))
+        return tuple(a) + tuple(b)
+
+
+def _disjoint(src: Layout, dst: Layout) -> bool:
+    a, b = src.grid.ranks, dst.grid.ranks
+    return a.stop <= b.start or b.stop <= a.start
+
+
 @lru_cache(maxsize=64)
-def _plan(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...], itemsize: int) -> Plan:
+def _frame(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...]) -> _Frame:
     dims = tuple(d for d, _ in sizes)
     size_map = dict(sizes)
-    hold = Tiling.of(src, dims, size_map)
+    before = hold = Tiling.of(src, dims, size_map)
     need = Tiling.of(dst, dims, size_map)
     kept = dst.partial
     reduce_axes = tuple(a for a in src.partial if a not in kept)
-    steps: list[Step] = []
-    phase_one, gather = need, None
-    two_phase_axes = tuple(a for a in need.free_axes if a not in kept)
-    disjoint = not set(src.grid.ranks) & set(dst.grid.ranks)
-    if disjoint and prod(dst.grid.axis_size(a) for a in two_phase_axes) > 1:
-        phase_one, gather = _two_phase(src, dst, need, two_phase_axes)
-    if reduce_axes:
-        hold, reduce_step, transfers = _reduce_scatter(src, hold, reduce_axes, phase_one, dst)
-        steps.append(reduce_step)
-    else:
-        transfers = _exchange(hold, phase_one, dst, kept)
-    if transfers:
-        steps.append(_classify(transfers, src, dst))
-    if gather is not None:
-        steps.append(gather)
-    steps = _fuse_all_reduce(steps)
-    return Plan(src, dst, dims, sizes, itemsize, tuple(steps), hold, need, reduce_axes)
+    gather_axes = tuple(a for a in need.free_axes if a not in kept)
+    want = need
+    ragged = frozenset(src.ragged_dims) | frozenset(dst.ragged_dims)
+    phase_dim = _longest_dim(need, dst.holders[0], ragged)
+    if (_disjoint(src, dst) and prod(dst.grid.axis_size(a) for a in gather_axes) > 1
+            and phase_dim is not None):
+        want = need.refine(phase_dim, gather_axes)
+    else:  # (with only ragged dims, every replica takes the whole box)
+        gather_axes = ()
+    cut = _reduce_dim(src, dst, hold, want, reduce_axes) if reduce_axes else None
+    if cut is not None:
+        hold = hold.refine(cut, reduce_axes)
+    geometry = Geometry(hold, want, kept)
+    kind = geometry.kind()
+    fused = (cut is not None and kind == "all_gather"
+             and _fusable(before, want, cut, reduce_axes))
+    return _Frame(src, dst, dims, before, hold, need, geometry, reduce_axes, gather_axes, kind,
+                  fused)
 
 
-# -- planning steps ------------------------------------------------------------------------
 def _longest_dim(tiling: Tiling, rank: int, ragged: frozenset[str] = frozenset()) -> str | None:
     """The dim along which ``rank``'s region is longest (first on ties): where to cut. A
     ragged dim is never cut (its boundaries are run-time counts); None if only those."""
@@ -552,18 +645,16 @@ def _longest_dim(tiling: Tiling, rank: int, ragged: frozenset[str] = frozenset()
     return tiling.dims[max(candidates, key=lambda i: (extents[i], -i))]
 
 
-def _reduce_scatter(src: Layout, hold: Tiling, axes: tuple[str, ...], need: Tiling,
-                    dst: Layout) -> tuple[Tiling, ReduceScatter, list[Transfer]]:
-    """Reduce-scatter inside the partial groups, cut along the dim that gives the least
-    peak per-rank traffic (reduction plus what is exchanged after it), then the least
-    exchange, then the longest dim: so partial -> TP-sharded on the same dim is one
-    reduce-scatter and nothing else."""
-    groups = tuple(g for g in src.grid.groups(axes) if src.holds(g[0]))
-    ragged = _ragged(src, dst)
-    longest = _longest_dim(hold, groups[0][0], ragged)
-    extents = dict(zip(hold.dims, (sum(b - a for a, b in seg)
-                                   for seg in hold.segments(groups[0][0]))))
-    k = len(groups[0])
+def _reduce_dim(src: Layout, dst: Layout, hold: Tiling, want: Tiling,
+                axes: tuple[str, ...]) -> str:
+    """The dim the reduce-scatter cuts: the least peak per-rank traffic (reduction plus
+    what is exchanged after it), then the least exchange, then the longest dim; so
+    partial -> TP-sharded on the same dim is one reduce-scatter and nothing else."""
+    first = src.holders[0]
+    k = len(src.grid.group_of(first, axes))
+    ragged = frozenset(src.ragged_dims) | frozenset(dst.ragged_dims)
+    longest = _longest_dim(hold, first, ragged)
+    extents = dict(zip(hold.dims, (sum(b - a for a, b in seg) for seg in hold.segments(first))))
     hinted = {d for d, run in dst.sharding.items() if set(run) & set(axes)}
     order = sorted(((i, d) for i, d in enumerate(hold.dims) if d not in ragged),
                    key=lambda e: (e[1] not in hinted, e[1] != longest))
@@ -571,135 +662,158 @@ def _reduce_scatter(src: Layout, hold: Tiling, axes: tuple[str, ...], need: Tili
         raise MimoFxError(
             f"src {src.describe()!r} is partial over {axes} but every dim is ragged; a "
             f"reduce-scatter cuts a dim of known size: add one, or reduce before moving")
+    costs = ReduceCosts(hold, want, axes)
     best = None
     for index, dim in order:
-        refined = hold.refine(dim, axes)
-        parts = tuple(tuple(refined.boxes(r) for r in g) for g in groups)
-        transfers = _exchange(refined, need, dst, dst.partial)
-        recv: dict[int, int] = defaultdict(int)
-        for group, group_parts in zip(groups, parts):
-            for rank, part in zip(group, group_parts):
-                recv[rank] += (len(group) - 1) * sum(map(box_volume, part))
-        for t in transfers:
-            recv[t.dst] += box_volume(t.box)
-        exchanged = sum(box_volume(t.box) for t in transfers)
-        cost = (max(recv.values(), default=0), exchanged, dim != longest, index)
+        peak, exchanged = costs.cost(index)
+        cost = (peak, exchanged, dim != longest, index)
         if best is None or cost < best[0]:
-            best = (cost, refined, parts, transfers)
-        if not transfers and extents[dim] % k == 0:
+            best = (cost, dim)
+        if not exchanged and extents[dim] % k == 0:
             break  # a balanced reduce-scatter that leaves nothing to move: optimal
     assert best is not None  # k >= 2 candidates were tried
-    _, refined, parts, transfers = best
-    regions = tuple(hold.boxes(g[0]) for g in groups)
-    return refined, ReduceScatter(groups, regions, parts), transfers
+    return best[1]
 
 
-def _two_phase(src: Layout, dst: Layout, need: Tiling,
-               axes: tuple[str, ...]) -> tuple[Tiling, Gather | None]:
-    groups = tuple(g for g in dst.grid.groups(axes) if dst.holds(g[0]))
-    dim = _longest_dim(need, groups[0][0], _ragged(src, dst))
-    if dim is None:  # only ragged dims: every replica takes the whole box
-        return need, None
-    refined = need.refine(dim, axes)
-    parts = tuple(tuple(refined.boxes(r) for r in g) for g in groups)
-    return refined, Gather(groups, parts)
+def _fusable(before: Tiling, want: Tiling, dim: str, axes: tuple[str, ...]) -> bool:
+    """Whether the reduce-scatter (into ``dim``, over ``axes``) and the all-gather after
+    it are one all-reduce: every src holder wants exactly its group's region, cut as src
+    cuts it, and every member's share is non-empty. Then the all-gather's groups are the
+    reduce-scatter's and each member sends exactly its share. A column at a time."""
+    ranks = before.grid.ranks
+    head = range(ranks.start, min(ranks.stop, ranks.start + 64))
+    return _fusable_over(head, before, want, dim, axes) and (
+        head == ranks or _fusable_over(ranks, before, want, dim, axes))
 
 
-def _exchange(hold: Tiling, need: Tiling, dst: Layout, kept: tuple[str, ...]) -> list[Transfer]:
-    """For every needed sub-box a rank does not hold, one sender among the holders.
+def _fusable_over(ranks: range, before: Tiling, want: Tiling, dim: str,
+                  axes: tuple[str, ...]) -> bool:
+    """:func:`_fusable` for the src holders among ``ranks``."""
+    k = prod(before.grid.axis_size(a) for a in axes)
+    held = before.holds_column(ranks)
+    cut = before.dims.index(dim)
+    for d, (wanted, owners) in enumerate(zip(want.held_owner_columns(ranks),
+                                             before.owner_columns(ranks))):
+        w, h = want.tilings[d], before.tilings[d]
 
-    The sender is the receiver's own replica when the receiver is on the src grid (so
-    colocated exchanges pair up into all-gathers), else the replica that has sent the
-    fewest bytes so far, ties going round-robin from the receiver's replica index and
-    shard: receivers visiting in rank order then spread each region's readers over its
-    holders evenly, whatever the strides of the two grids (a fixed round-robin key can
-    land on one holder for every reader when a stride is a multiple of the replicas).
-    """
-    src_grid, dst_grid = hold.grid, need.grid
-    kept_pos = [(src_grid.axis_index(a), dst_grid.axis_index(a)) for a in kept]
-    need_free = [dst_grid.axis_index(a) for a in need.free_axes if a not in kept]
-    need_owning = [dst_grid.axis_index(a) for t in need.tilings for a in t.axes]
-    free = [src_grid.axis_index(a) for a in hold.free_axes if a not in kept]
-    free_sizes = [src_grid.sizes[k] for k in free]
-    replicas = prod(free_sizes)
-    strides, offset = src_grid.strides, src_grid.offset
-    shifts = []  # rank offset of replica j from replica 0
-    for j in range(replicas):
-        shift = 0
-        for k, n in zip(free, free_sizes):
-            j, c = divmod(j, n)
-            shift += c * strides[k]
-        shifts.append(shift)
-    sent: dict[int, int] = defaultdict(int)
-    transfers = []
-    for rank in dst.holders:
-        coord = dst_grid.coord_tuple(rank)
-        own = src_grid.coord_tuple(rank) if hold.holds(rank) else None
-        salt = _mixed_index(coord, need_free, dst_grid) + _mixed_index(coord, need_owning,
-                                                                        dst_grid)
-        ordinal = 0
-        for box in need.boxes(rank):
-            for sub, fixed in hold.owner_coords(box):
-                fixed.extend((k, coord[d]) for k, d in kept_pos)
-                if own is not None:
-                    if all(own[k] == v for k, v in fixed):
-                        continue  # the receiver holds it already
-                    sender = rank - sum(own[k] * strides[k] for k, _ in fixed) + sum(
-                        v * strides[k] for k, v in fixed)
-                else:
-                    base = offset + sum(v * strides[k] for k, v in fixed)
-                    first = salt + ordinal
-                    sender = min((base + shifts[(first + t) % replicas] for t in range(replicas)),
-                                 key=sent.__getitem__)
-                    sent[sender] += box_volume(sub)
-                ordinal += 1
-                transfers.append(Transfer(sender, rank, sub))
-    return transfers
+        def same(pair: tuple[int, int], w=w, h=h, d=d) -> bool:
+            if pair[0] < 0:
+                return False  # a src holder that holds no dst piece
+            region = h.owned(pair[1])
+            return w.owned(pair[0]) == region and (
+                d != cut or all(b - a >= k for a, b in region))
+
+        pairs = list(zip(wanted, owners))
+        table = {pair: same(pair) for pair in set(pairs)}
+        if not all(table[pair] for pair, mine in zip(pairs, held) if mine):
+            return False
+    return True
 
 
-def _ragged(src: Layout, dst: Layout) -> frozenset[str]:
-    return frozenset(src.ragged_dims) | frozenset(dst.ragged_dims)
+# -- the steps, for every rank or for one ---------------------------------------------------
+def _steps(f: _Frame, rank: int | None) -> tuple[Step, ...]:
+    """The plan's steps; with ``rank``, only the groups and transfers it takes part in."""
+    steps: list[Step] = []
+    if f.fused:  # the reduce-scatter's shares are then all-gathered in its groups
+        rs = _reduce_step(f, rank)
+        steps.append(AllReduce(rs.groups, rs.regions, rs.shares))
+    elif f.reduce_axes:
+        steps.append(_reduce_step(f, rank))
+    if f.kind == "all_to_all":
+        steps.append(Exchange(_transfers(f, rank), f.union))
+    elif f.kind == "all_gather" and not f.fused:
+        steps.append(_exchange_gather(f, rank))
+    if f.gather_axes:
+        steps.append(_phase_two(f, rank))
+    return tuple(steps)
 
 
-def _mixed_index(coord: tuple[int, ...], positions: list[int], grid) -> int:
-    """Index of ``coord`` over the axes at ``positions``, the first fastest."""
-    index, stride = 0, 1
-    for k in positions:
-        index += coord[k] * stride
-        stride *= grid.sizes[k]
-    return index
+def _groups(layout: Layout, axes: tuple[str, ...], rank: int | None):
+    """The groups of ``layout``'s holders varying ``axes``: all, or ``rank``'s (if any)."""
+    if rank is None:
+        return tuple(g for g in layout.grid.groups(axes) if layout.holds(g[0]))
+    return (layout.grid.group_of(rank, axes),) if layout.holds(rank) else ()
 
 
-def _classify(transfers: list[Transfer], src: Layout, dst: Layout) -> Step:
-    """Disjoint all-gather groups if the transfers form them, else one all-to-all."""
-    sends: dict[int, dict[int, list[Box]]] = defaultdict(lambda: defaultdict(list))
-    for t in transfers:
-        sends[t.src][t.dst].append(t.box)
-    groups: dict[tuple[int, ...], dict[int, tuple[Box, ...]]] = {}
-    gather = True
-    for sender, by_dst in sends.items():
-        payloads = {tuple(boxes) for boxes in by_dst.values()}
-        group = tuple(sorted({sender, *by_dst}))
-        if len(payloads) != 1:
-            gather = False
-            break
-        groups.setdefault(group, {})[sender] = payloads.pop()
-    if gather:
-        members = [r for g in groups for r in g]
-        gather = len(members) == len(set(members)) and all(
-            len(contrib) == len(g) for g, contrib in groups.items()
-        )
-    if gather:
-        ordered = sorted(groups)
-        return Gather(tuple(ordered), tuple(tuple(groups[g][r] for r in g) for g in ordered))
-    union = tuple(sorted(set(src.grid.ranks) | set(dst.grid.ranks)))
-    return Exchange(tuple(transfers), union)
+def _reduce_step(f: _Frame, rank: int | None) -> ReduceScatter:
+    groups = _groups(f.src, f.reduce_axes, rank)
+    regions = tuple(f.before.boxes(g[0]) for g in groups)
+    shares = tuple(tuple(f.hold.boxes(r) for r in g) for g in groups)
+    return ReduceScatter(groups, regions, shares)
 
 
-def _fuse_all_reduce(steps: list[Step]) -> list[Step]:
-    """reduce_scatter then all_gather of the same shares in the same groups = all_reduce."""
-    if len(steps) >= 2 and isinstance(steps[0], ReduceScatter) and isinstance(steps[1], Gather):
-        rs, ag = steps[0], steps[1]
-        if rs.groups == ag.groups and rs.shares == ag.shares:
-            return [AllReduce(rs.groups, rs.regions, rs.shares), *steps[2:]]
-    return steps
+def _phase_two(f: _Frame, rank: int | None) -> Gather:
+    groups = _groups(f.dst, f.gather_axes, rank)
+    want = f.exchange.want
+    return Gather(groups, tuple(tuple(want.boxes(r) for r in g) for g in groups))
+
+
+def _exchange_gather(f: _Frame, rank: int | None) -> Gather:
+    """The exchange issued as all-gathers: every group, or ``rank``'s."""
+    geometry = f.exchange
+    if rank is None:
+        leaders = [r for r in want_holders(geometry.want) if geometry.lacks(r)]
+    else:
+        leaders = [rank] if geometry.want.holds(rank) and geometry.lacks(rank) else []
+    groups, shares = [], []
+    listed: set[int] = set()
+    for leader in leaders:
+        if leader in listed:
+            continue  # its group is listed already, by its first member
+        group = geometry.group(leader)
+        listed.update(group)
+        groups.append(group)
+        shares.append(tuple(geometry.payload(m, group[0] if m != group[0] else group[1])
+                            for m in group))
+    return Gather(tuple(groups), tuple(shares))
+
+
+def _transfers(f: _Frame, rank: int | None) -> tuple[Transfer, ...]:
+    """Every receiver's transfers in rank order; or ``rank``'s part of that list."""
+    geometry = f.exchange
+    if rank is None:
+        return tuple(t for r in want_holders(geometry.want) for t in geometry.receives(r))
+    sends = geometry.sends(rank)
+    cut = next((i for i, t in enumerate(sends) if t.dst > rank), len(sends))
+    return tuple(sends[:cut]) + tuple(geometry.receives(rank)) + tuple(sends[cut:])
+
+
+@contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Pause the cycle collector while planning: a plan at scale allocates millions of
+    small acyclic tuples, which the collector would otherwise walk again and again (more
+    than half the planning time of a 65,536-rank all-to-all). The caller's setting is
+    restored."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@lru_cache(maxsize=64)
+@_no_cycle_collection()
+def _plan(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...], itemsize: int) -> Plan:
+    f = _frame(src, dst, sizes)
+    return Plan(src, dst, f.dims, sizes, itemsize, _steps(f, None), f.hold, f.need,
+                f.reduce_axes)
+
+
+@lru_cache(maxsize=256)
+@_no_cycle_collection()
+def _rank_plan(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...], itemsize: int,
+               rank: int) -> RankPlan:
+    f = _frame(src, dst, sizes)
+    return RankPlan(src, dst, f.dims, sizes, itemsize, _steps(f, rank), f.hold, f.need,
+                    f.reduce_axes, rank)
+
+
+def clear_caches() -> None:
+    """Forget every cached plan (the whole-world ones, the per-rank ones, and the
+    decisions both share): for timing cold planning."""
+    _plan.cache_clear()
+    _rank_plan.cache_clear()
+    _frame.cache_clear()
+    _digit_column.cache_clear()

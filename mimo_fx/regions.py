@@ -16,7 +16,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from itertools import product
 from math import prod
 
@@ -25,7 +25,7 @@ from .grid import Grid
 from .layout import Layout
 
 __all__ = ["split_bounds", "chunk_bounds", "shard_bounds", "ragged_bounds", "DimTiling",
-           "Tiling", "Box", "box_volume", "intersect", "total", "Size"]
+           "Tiling", "Box", "box_volume", "intersect", "total", "Size", "check_counts"]
 
 Interval = tuple[int, int]
 Box = tuple[Interval, ...]
@@ -48,9 +48,15 @@ def prefix_sums(counts: tuple[int, ...]) -> list[int]:
 def ragged_bounds(counts: tuple[int, ...], parts: int) -> tuple[Interval, ...]:
     """Per shard, the interval a ragged cut gives it: shard ``k`` of ``parts`` holds the
     ``k``-th run of ``len(counts) // parts`` consecutive segments (empty if they are)."""
+    edges = _ragged_edges(counts, parts)
+    return tuple((edges[k], edges[k + 1]) for k in range(parts))
+
+
+def _ragged_edges(counts: tuple[int, ...], parts: int) -> tuple[int, ...]:
+    """The shards' boundaries of a ragged cut (``parts + 1`` of them)."""
     per = len(counts) // parts
-    edges = prefix_sums(counts)
-    return tuple((edges[k * per], edges[(k + 1) * per]) for k in range(parts))
+    sums = prefix_sums(counts)
+    return tuple(sums[k * per] for k in range(parts + 1))
 
 
 def split_bounds(size: int, parts: int) -> tuple[Interval, ...]:
@@ -111,74 +117,270 @@ def intersect(a: Box, b: Box) -> Box | None:
     return tuple(out)
 
 
+def _split_interval(size: int, parts: int, k: int) -> Interval:
+    """Shard ``k`` of ``split_bounds(size, parts)``, computed rather than listed."""
+    q, r = divmod(size, parts)
+    start = k * q + min(k, r)
+    return start, start + q + (k < r)
+
+
+def _split_index(size: int, parts: int, x: int) -> int:
+    """The shard of ``split_bounds(size, parts)`` holding position ``x``."""
+    q, r = divmod(size, parts)
+    big = r * (q + 1)  # the first r shards are one longer
+    return x // (q + 1) if x < big else r + (x - big) // q
+
+
+def _chunk_interval(size: int, parts: tuple[int, ...], k: int) -> Interval:
+    """Shard ``k`` of ``chunk_bounds(size, parts)``, walking the axes outermost first."""
+    lo, hi = 0, size
+    for c, n in zip(_unflatten(k, parts), parts):
+        step = -(-(hi - lo) // n)
+        lo, hi = min(lo + c * step, hi), min(lo + (c + 1) * step, hi)
+    return lo, hi
+
+
+def _chunk_locate(size: int, parts: tuple[int, ...], x: int) -> tuple[int, int, int]:
+    """``(start, stop, shard)`` of the ``chunk_bounds(size, parts)`` interval holding ``x``."""
+    lo, hi, k = 0, size, 0
+    for n in parts:
+        step = -(-(hi - lo) // n)
+        c = (x - lo) // step
+        lo, hi, k = lo + c * step, min(lo + (c + 1) * step, hi), k * n + c
+    return lo, hi, k
+
+
 @dataclass(frozen=True)
 class DimTiling:
-    """Intervals of one dim and, for each, the coordinate of ``axes`` owning it."""
+    """How one dim is cut into intervals, and which coordinate of ``axes`` owns each.
+
+    The intervals follow from the rule and are computed on demand, never listed: a dim
+    cut over 65,536 ranks costs nothing to build and O(1) per lookup. An *owner* is the
+    flat index of a coordinate of ``axes`` (the first axis outermost); the last
+    ``refined`` axes cut every interval of the others once more (``tensor_split``).
+    Owners whose shard is empty, as uneven splits may leave, own no interval.
+    """
 
     size: int
     axes: tuple[str, ...]
-    intervals: tuple[Interval, ...]  # sorted by start, non-empty, disjoint, covering
-    # (owners whose shard is empty, as uneven splits may leave, own no interval)
-    owners: tuple[tuple[int, ...], ...]
+    parts: tuple[int, ...]  # the sizes of ``axes``
+    rule: str = "tensor_split"  # or "chunk", "zigzag", "ragged": how the layout's axes cut
+    refined: int = 0
+    edges: tuple[int, ...] = ()  # "ragged": the shards' boundaries, from the counts
 
     @cached_property
-    def starts(self) -> tuple[int, ...]:
-        return tuple(start for start, _ in self.intervals)
+    def _sub(self) -> int:
+        """Parts each interval of the layout's cut is refined into (1: not refined)."""
+        return prod(self.parts[len(self.parts) - self.refined:])
 
     @cached_property
-    def by_owner(self) -> dict[tuple[int, ...], tuple[Interval, ...]]:
-        out: dict[tuple[int, ...], list[Interval]] = {}
-        for interval, owner in zip(self.intervals, self.owners):
-            out.setdefault(owner, []).append(interval)
-        return {k: tuple(v) for k, v in out.items()}
+    def _base(self) -> tuple[int, ...]:
+        return self.parts[:len(self.parts) - self.refined]
 
-    def split(self, start: int, stop: int) -> list[tuple[Interval, tuple[int, ...]]]:
-        """Cut ``[start, stop)`` at this tiling's bounds: ``[(piece, owner), ...]``."""
+    @property
+    def owners(self) -> int:
+        """How many owner indices there are (``prod(parts)``)."""
+        return prod(self.parts)
+
+    def _base_owned(self, k: int) -> tuple[Interval, ...]:
+        if self.rule == "ragged":
+            return ((self.edges[k], self.edges[k + 1]),)
+        if self.rule == "zigzag":
+            (n,) = self._base
+            c = self.size // (2 * n)
+            return (k * c, (k + 1) * c), ((2 * n - 1 - k) * c, (2 * n - k) * c)
+        if self.rule == "chunk":
+            return (_chunk_interval(self.size, self._base, k),)
+        return (_split_interval(self.size, prod(self._base), k),)
+
+    @cached_property
+    def _owned(self) -> dict[int, tuple[Interval, ...]]:
+        return {}  # owner -> its intervals, as asked for (at most one entry per owner)
+
+    def owned(self, owner: int) -> tuple[Interval, ...]:
+        """The intervals ``owner`` holds, in order (none when its shard is empty)."""
+        found = self._owned.get(owner)
+        if found is None:
+            found = self._owned[owner] = self._compute_owned(owner)
+        return found
+
+    def _compute_owned(self, owner: int) -> tuple[Interval, ...]:
+        k, sub = divmod(owner, self._sub)
         out = []
-        i = bisect_right(self.starts, start) - 1
+        for lo, hi in self._base_owned(k):
+            if self.refined:
+                a, b = _split_interval(hi - lo, self._sub, sub)
+                lo, hi = lo + a, lo + b
+            if hi > lo:
+                out.append((lo, hi))
+        return tuple(out)
+
+    def bounds(self, owners: list[int]) -> tuple[list[int], list[int]] | None:
+        """``(starts, stops)`` of the one interval each of ``owners`` holds (start = stop
+        when it holds none), a column at a time; None under zigzag (two intervals)."""
+        if self.rule == "zigzag":
+            return None
+        distinct = set(owners)
+        if 8 * len(distinct) < len(owners):  # few owners, many rows: look them up
+            held = {o: self.owned(o) or ((0, 0),) for o in distinct}
+            return [held[o][0][0] for o in owners], [held[o][0][1] for o in owners]
+        sub = self._sub
+        base = owners if sub == 1 else [o // sub for o in owners]
+        if self.rule == "ragged":
+            lo, hi = [self.edges[k] for k in base], [self.edges[k + 1] for k in base]
+        elif self.rule == "chunk":
+            table = {k: _chunk_interval(self.size, self._base, k) for k in set(base)}
+            lo, hi = [table[k][0] for k in base], [table[k][1] for k in base]
+        else:
+            q, r = divmod(self.size, prod(self._base))
+            lo = [k * q + (k if k < r else r) for k in base]
+            hi = [a + q + (k < r) for a, k in zip(lo, base)]
+        if sub > 1:  # each cut into ``sub`` tensor_split parts: few lengths, few parts
+            keys = list(zip([b - a for a, b in zip(lo, hi)], [o % sub for o in owners]))
+            cuts = {key: _split_interval(key[0], sub, key[1]) for key in set(keys)}
+            pieces = [cuts[key] for key in keys]
+            lo, hi = [a + c[0] for a, c in zip(lo, pieces)], [a + c[1] for a, c in zip(lo, pieces)]
+        return lo, hi
+
+    def owners_at(self, xs: list[int]) -> list[int]:
+        """The owner of the interval holding each position of ``xs`` (see :meth:`locate`),
+        in closed form for an unrefined ``tensor_split``."""
+        if self.rule != "tensor_split" or self.refined:
+            return [self.locate(x)[2] for x in xs]
+        q, r = divmod(self.size, prod(self._base))
+        big = r * (q + 1)
+        return [x // (q + 1) if x < big else r + (x - big) // q for x in xs]
+
+    def _base_locate(self, x: int) -> tuple[int, int, int]:
+        if self.rule == "ragged":  # the one non-empty shard holding x
+            k = bisect_right(self.edges, x) - 1
+            return self.edges[k], self.edges[k + 1], k
+        if self.rule == "zigzag":
+            (n,) = self._base
+            c = self.size // (2 * n)
+            j = x // c
+            return j * c, (j + 1) * c, j if j < n else 2 * n - 1 - j
+        if self.rule == "chunk":
+            return _chunk_locate(self.size, self._base, x)
+        parts = prod(self._base)
+        k = _split_index(self.size, parts, x)
+        return (*_split_interval(self.size, parts, k), k)
+
+    def locate(self, x: int) -> tuple[int, int, int]:
+        """``(start, stop, owner)`` of the interval holding position ``x``."""
+        lo, hi, k = self._base_locate(x)
+        if not self.refined:
+            return lo, hi, k
+        sub = _split_index(hi - lo, self._sub, x - lo)
+        a, b = _split_interval(hi - lo, self._sub, sub)
+        return lo + a, lo + b, k * self._sub + sub
+
+    def split(self, start: int, stop: int) -> list[tuple[Interval, Interval, int]]:
+        """Cut ``[start, stop)`` at this tiling's bounds: ``(piece, its interval, owner)``."""
+        if self.rule == "tensor_split" and not self.refined:  # consecutive owners
+            parts = prod(self.parts)
+            q, r = divmod(self.size, parts)
+            first, last = (_split_index(self.size, parts, x) for x in (start, stop - 1))
+            out = []
+            owned = self._owned
+            for k in range(first, last + 1):
+                lo = k * q + (k if k < r else r)
+                hi = lo + q + (k < r)
+                # the owner's own interval object: whole-world plans share it, not copy it
+                whole = owned[k][0] if k in owned else owned.setdefault(k, ((lo, hi),))[0]
+                piece = whole if start <= lo and hi <= stop else (max(start, lo), min(stop, hi))
+                out.append((piece, whole, k))
+            return out
+        out = []
         while start < stop:
-            lo, hi = self.intervals[i]
+            lo, hi, owner = self.locate(start)
             piece_stop = min(hi, stop)
-            out.append(((start, piece_stop), self.owners[i]))
+            out.append(((start, piece_stop), (lo, hi), owner))
             start = piece_stop
-            i += 1
         return out
+
+    @cached_property
+    def _all_owned(self) -> bool:
+        """Whether every owner holds some interval (no empty shard): then the owners
+        meeting a range are consecutive, except under zigzag."""
+        n = prod(self._base)
+        if self.rule == "ragged":
+            shortest = min(b - a for a, b in zip(self.edges, self.edges[1:]))
+        elif self.rule == "zigzag":
+            shortest = self.size // (2 * n)
+        elif self.rule == "chunk" and self.size % n:
+            return False  # uneven chunks may leave empty shards between full ones
+        else:
+            shortest = self.size // n
+        return shortest >= self._sub
+
+    def owners_meeting(self, start: int, stop: int) -> range | tuple[int, ...]:
+        """The owners whose intervals meet ``[start, stop)``, ascending: a ``range`` when
+        they are consecutive (compared, hashed and searched in O(1)), else a tuple."""
+        if self.rule != "zigzag" and self._all_owned:
+            return range(self.locate(start)[2], self.locate(stop - 1)[2] + 1)
+        return _canonical(sorted({owner for _, _, owner in self.split(start, stop)}))
+
+    def owner_span(self, start: int, stop: int) -> tuple[int, int]:
+        """The least and greatest owner of the intervals meeting ``[start, stop)``.
+
+        Owners rise along the dim, except under zigzag, where the chunks' owners rise
+        over the first half and fall over the second.
+        """
+        first, last = self.locate(start)[2], self.locate(stop - 1)[2]
+        if self.rule != "zigzag":
+            return first, last
+        (n,) = self._base
+        c = self.size // (2 * n)
+        ends = [first, last, self.locate(min(stop, (start // c + 1) * c) - 1)[2],
+                self.locate(max(start, (stop - 1) // c * c))[2]]
+        inner = range(start // c + 1, (stop - 1) // c)  # whole chunks between the ends
+        if inner:
+            chunks = {inner[0], inner[-1], *(j for j in (n - 1, n) if j in inner)}
+            ks = [j if j < n else 2 * n - 1 - j for j in chunks]
+            sub = self._sub
+            ends += [min(ks) * sub, max(ks) * sub + min(c, sub) - 1]
+        return min(ends), max(ends)
 
     def refine(self, axes: tuple[str, ...], sizes: list[int]) -> DimTiling:
         """Cut every interval into ``prod(sizes)`` parts (tensor_split) owned by ``axes``."""
-        intervals, owners = [], []
-        for (lo, hi), owner in zip(self.intervals, self.owners):
-            for k, (a, b) in enumerate(split_bounds(hi - lo, prod(sizes))):
-                if b > a:
-                    intervals.append((lo + a, lo + b))
-                    owners.append((*owner, *_unflatten(k, sizes)))
-        return DimTiling(self.size, self.axes + axes, tuple(intervals), tuple(owners))
+        if self.refined:
+            raise AssertionError("a dim tiling is refined once (by a reduction or a phase)")
+        return DimTiling(self.size, self.axes + axes, self.parts + tuple(sizes), self.rule,
+                         len(axes))
 
 
 def _dim_tiling(size: Size, axes: tuple[str, ...], grid: Grid, zigzag: bool,
                 split: str = "tensor_split", ragged: bool = False) -> DimTiling:
-    counts, size = size, total(size)
-    if not axes:
-        return DimTiling(size, (), ((0, size),) if size else (), ((),) if size else ())
-    sizes = [grid.axis_size(a) for a in axes]
-    parts = prod(sizes)
-    per_shard: tuple[tuple[Interval, ...], ...]
-    if ragged:
-        assert isinstance(counts, tuple) and len(counts) % parts == 0
-        per_shard = tuple((iv,) for iv in ragged_bounds(counts, parts))
-    elif zigzag:
-        per_shard = zigzag_bounds(size, parts)
-    else:
-        per_shard = tuple((iv,) for iv in shard_bounds(size, sizes, split))
-    pieces: list = []
-    for k, intervals in enumerate(per_shard):
-        owner = _unflatten(k, sizes)
-        pieces.extend((iv, owner) for iv in intervals if iv[1] > iv[0])
-    pieces.sort()
-    return DimTiling(size, axes, tuple(p[0] for p in pieces), tuple(p[1] for p in pieces))
+    parts = tuple(grid.axis_size(a) for a in axes)
+    if ragged and axes:
+        assert isinstance(size, tuple)
+        return DimTiling(total(size), axes, parts, "ragged",
+                         edges=_ragged_edges(size, prod(parts)))
+    rule = "zigzag" if zigzag else ("chunk" if split == "chunk" and axes else "tensor_split")
+    return DimTiling(total(size), axes, parts, rule)
 
 
-def _unflatten(k: int, sizes: list[int]) -> tuple[int, ...]:
+def _canonical(owners) -> range | tuple[int, ...]:
+    """Sorted distinct owners as a ``range`` if consecutive, else a tuple: one form per
+    set, so equal sets compare and hash equal."""
+    if owners and owners[-1] - owners[0] == len(owners) - 1:
+        return range(owners[0], owners[-1] + 1)
+    return tuple(owners)
+
+
+@lru_cache(maxsize=16)
+def _digit_column(local: range, stride: int, size: int) -> list[int]:
+    """``(i // stride) % size`` for every ``i`` of ``local``, by repeating one period
+    (remembered: one plan's passes over the ranks ask for the same ones; read only)."""
+    period = stride * size
+    block = [c for c in range(size) for _ in range(stride)]
+    start = local.start % period
+    reps = -(-(start + len(local)) // period)
+    return (block * reps)[start:start + len(local)]
+
+
+def _unflatten(k: int, sizes) -> tuple[int, ...]:
     """Shard index -> axis coordinates, the first axis outermost (slowest)."""
     out = []
     for size in reversed(sizes):
@@ -238,6 +440,17 @@ class Tiling:
         return (tuple(tuple(index(a) for a in t.axes) for t in self.tilings),
                 tuple((index(a), i) for a, i in self.pinned))
 
+    @cached_property
+    def _digits(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        """Per dim, ``(grid stride, axis size, owner weight)`` of each owning axis: an
+        owner index is the sum of the axes' coordinates times their weights."""
+        out = []
+        for positions, t in zip(self._positions[0], self.tilings):
+            weights = [prod(t.parts[i + 1:]) for i in range(len(t.parts))]
+            out.append(tuple((self.grid.strides[k], n, w)
+                             for k, n, w in zip(positions, t.parts, weights)))
+        return tuple(out)
+
     def holds(self, rank: int) -> bool:
         if rank not in self.grid:
             return False
@@ -246,13 +459,72 @@ class Tiling:
         coord = self.grid.coord_tuple(rank)
         return all(coord[k] == i for k, i in self._positions[1])
 
+    def owners(self, rank: int) -> tuple[int, ...]:
+        """Per dim, the owner index of ``rank``'s coordinate (``rank`` in the grid)."""
+        local = rank - self.grid.offset
+        return tuple(sum((local // stride) % n * w for stride, n, w in axes)
+                     for axes in self._digits)
+
+    def offset(self, dim: int, owner: int) -> int:
+        """The rank offset of owner ``owner`` of dim ``dim`` (its coordinates times strides)."""
+        axes = self._digits[dim]
+        if len(axes) == 1:  # the common case: one axis, owner = coordinate
+            return owner * axes[0][0]
+        return sum((owner // w) % n * stride for stride, n, w in axes)
+
+    def owner_columns(self, ranks: range) -> list[list[int]]:
+        """Per dim, the owner index of every rank of ``ranks`` (inside the grid): what
+        :meth:`owners` gives, a column at a time, for passes over all ranks."""
+        local = range(ranks.start - self.grid.offset, ranks.stop - self.grid.offset)
+        columns = []
+        for axes in self._digits:
+            if len(axes) == 1 and axes[0][2] == 1:  # one axis: the owner is its coordinate
+                columns.append(_digit_column(local, *axes[0][:2]))
+                continue
+            column = [0] * len(local)
+            for stride, n, w in axes:
+                column = [a + b * w for a, b in zip(column, _digit_column(local, stride, n))]
+            columns.append(column)
+        return columns
+
+    def held_owner_columns(self, ranks: range) -> list[list[int]]:
+        """:meth:`owner_columns` for any range of ranks: -1 where a rank holds nothing."""
+        inside = range(max(ranks.start, self.grid.ranks.start),
+                       min(ranks.stop, self.grid.ranks.stop))
+        before = max(0, min(inside.start, ranks.stop) - ranks.start)
+        after = len(ranks) - before - len(inside)
+        held = self.holds_column(ranks)
+        columns = self.owner_columns(inside) if len(inside) else [[] for _ in self.tilings]
+        return [[o if h else -1 for o, h in zip([-1] * before + c + [-1] * after, held)]
+                for c in columns]
+
+    def axes_column(self, ranks: range, axes: tuple[str, ...]) -> list[int]:
+        """Per rank of ``ranks`` (inside the grid), the flat index of its coordinates on
+        ``axes`` (the first outermost): the owner a refinement over ``axes`` adds."""
+        local = range(ranks.start - self.grid.offset, ranks.stop - self.grid.offset)
+        column = [0] * len(local)
+        for a in axes:
+            k = self.grid.axis_index(a)
+            n = self.grid.sizes[k]
+            digits = _digit_column(local, self.grid.strides[k], n)
+            column = [c * n + d for c, d in zip(column, digits)]
+        return column
+
+    def holds_column(self, ranks: range) -> list[bool]:
+        """Per rank of ``ranks``, whether it holds (in the grid and on the pinned index)."""
+        grid = self.grid
+        inside = range(max(ranks.start, grid.ranks.start), min(ranks.stop, grid.ranks.stop))
+        column = [True] * len(inside)
+        local = range(inside.start - grid.offset, inside.stop - grid.offset)
+        for k, i in self._positions[1]:
+            digits = _digit_column(local, grid.strides[k], grid.sizes[k])
+            column = [a and b == i for a, b in zip(column, digits)]
+        before = max(0, min(inside.start, ranks.stop) - ranks.start)
+        return [False] * before + column + [False] * (len(ranks) - before - len(column))
+
     def segments(self, rank: int) -> tuple[tuple[Interval, ...], ...]:
         """Per dim, the intervals ``rank`` holds, in local order (empty if it holds none)."""
-        coord = self.grid.coord_tuple(rank)
-        return tuple(
-            tiling.by_owner.get(tuple(coord[k] for k in positions), ())
-            for tiling, positions in zip(self.tilings, self._positions[0])
-        )
+        return tuple(t.owned(o) for t, o in zip(self.tilings, self.owners(rank)))
 
     def boxes(self, rank: int) -> tuple[Box, ...]:
         """The boxes ``rank`` holds (empty if it is off the pinned index)."""
@@ -265,22 +537,6 @@ class Tiling:
         tilings = list(self.tilings)
         tilings[i] = tilings[i].refine(axes, [self.grid.axis_size(a) for a in axes])
         return Tiling(self.grid, self.dims, tuple(tilings), self.pinned)
-
-    def owner_coords(self, box: Box) -> list[tuple[Box, list[tuple[int, int]]]]:
-        """Cut ``box`` at this tiling's bounds: ``[(sub_box, [(axis position, index)])]``.
-
-        The fixed coordinates cover the owning and pinned axes; holders of the sub-box
-        are all ranks with those coordinates, whatever their free axes.
-        """
-        per_dim = [t.split(lo, hi) for t, (lo, hi) in zip(self.tilings, box)]
-        positions, pinned = self._positions
-        out = []
-        for combo in product(*per_dim):
-            fixed = list(pinned)
-            for pos, (_, owner) in zip(positions, combo):
-                fixed.extend(zip(pos, owner))
-            out.append((tuple(iv for iv, _ in combo), fixed))
-        return out
 
 
 def check_counts(layout: Layout, dim: str, size: Size) -> None:

@@ -140,8 +140,10 @@ def _boundaries(p: Plan, k: int) -> set[int]:
     """Every boundary on dim ``k`` that plan ``p`` moves data at."""
     out: set[int] = set()
     for tiling in (p.hold, p.need):
-        for lo, hi in tiling.tilings[k].intervals:
-            out.update((lo, hi))
+        t = tiling.tilings[k]
+        for owner in range(t.owners):
+            for lo, hi in t.owned(owner):
+                out.update((lo, hi))
     for box in _boxes(p):
         out.update(box[k])
     return out

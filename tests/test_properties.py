@@ -10,7 +10,7 @@ DTensor's nested ``chunk``, whose uneven sizes leave trailing shards empty).
 from __future__ import annotations
 
 import torch
-from cases import star
+from cases import Case, star
 from harness import box_mask, index_mask, received
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -126,11 +126,7 @@ def test_plan_sends_exactly_the_lower_bound(pair):
     src, dst, sizes = pair
     p = plan(src, dst, sizes)
 
-    class C:  # the fields test_plan's helpers read
-        pass
-
-    case = C()
-    case.sizes = sizes
+    case = Case("random", src, dst, sizes)
     got = received(p)
     for rank in dst.holders:
         need = index_mask(dst, rank, case, src.dims)
