@@ -29,23 +29,28 @@ class ProcessWorld:
     pure tensor ops, so the step stays traceable.
     """
 
-    def __init__(self, dtype=torch.float32) -> None:
+    def __init__(self, dtype=torch.float32, vary: tuple[str, ...] = ()) -> None:
         if not dist.is_initialized():
             raise MimoFxError("ProcessWorld needs torch.distributed initialised first")
         self.rank = dist.get_rank()
         self.ranks = (self.rank,)
         self.dtype = dtype
+        self.vary = tuple(vary)  # dims whose sizes change from step to step
         self._bridges: dict = {}
         self._anchor: torch.Tensor | None = None
         self._dangling: list[torch.Tensor] = []
-        self.calls: list[tuple[Any, bool]] | None = None  # set to [] to record calls
+        # set to [] to record eager calls (the bytes a step moves, see bytes_sent)
+        self.calls: list[tuple[Any, dict, bool]] | None = None
 
-    def bridge(self, src: Layout, dst: Layout, sizes: dict[str, int], grad_partial=()):
+    def bridge(self, src: Layout, dst: Layout, sizes: dict, grad_partial=()):
+        """The bridge for these layouts: built with the sizes of the dims that do not
+        vary; those that do are given in each call (one compiled graph serves them)."""
         from . import Redistributor
 
-        key = (src, dst, tuple(sorted(sizes.items())), tuple(grad_partial))
+        fixed = {d: n for d, n in sizes.items() if d not in self.vary}
+        key = (src, dst, tuple(sorted(fixed.items())), tuple(grad_partial))
         if key not in self._bridges:
-            self._bridges[key] = Redistributor(src, dst, sizes, self.dtype,
+            self._bridges[key] = Redistributor(src, dst, fixed, self.dtype,
                                                grad_partial=grad_partial)
         return self._bridges[key]
 
@@ -64,11 +69,13 @@ class ProcessWorld:
     def redistribute(self, pieces, src: Layout, dst: Layout, *, grad_partial=(), **sizes):
         bridge = self.bridge(src, dst, sizes, grad_partial)
         x = pieces.get(self.rank)
-        if self.calls is not None and self.rank in bridge.union:
-            self.calls.append((bridge, torch.is_grad_enabled()))
+        # (asked first, so that a compiled step never looks at the recording list)
+        if (not torch.compiler.is_compiling() and self.calls is not None
+                and self.rank in bridge.union):
+            self.calls.append((bridge, dict(sizes), torch.is_grad_enabled()))
         if x is None and self._anchor is not None and self.rank in bridge.union:
             x = self._anchor.reshape(-1)[:0].reshape((0,) * len(src.local_dims))
-        y = bridge(x)
+        y = bridge(x, {d: n for d, n in sizes.items() if d in self.vary} or None)
         if y is None:
             return {}
         if not dst.holds(self.rank):
@@ -77,14 +84,20 @@ class ProcessWorld:
             return {}
         return {self.rank: y}
 
-    def bytes_sent(self) -> int:
-        """Bytes this rank sent in the recorded calls (forward, and backward where
-        autograd was on), from the bridges' plans."""
+    def bytes_sent(self, sizes: dict | None = None, calls: list | None = None) -> int:
+        """Bytes this rank sent in the recorded calls (``calls``, default those recorded
+        now: forward, and backward where autograd was on), from the plans at each call's
+        sizes -- or, for the dims that vary, at ``sizes`` (another step of that shape)."""
+        from mimo_fx.plan import backward_plan, plan
+
         total = 0
-        for bridge, grad in self.calls or ():
-            total += bridge.fwd.bytes_sent.get(self.rank, 0)
+        for bridge, called, grad in (self.calls or () if calls is None else calls):
+            step = {d: (sizes[d] if sizes and d in sizes and d in self.vary else n)
+                    for d, n in called.items()}
+            args = (bridge.src, bridge.dst, step, bridge.dtype)
+            total += plan(*args).bytes_sent.get(self.rank, 0)
             if grad:
-                total += bridge.bwd.bytes_sent.get(self.rank, 0)
+                total += backward_plan(*args, bridge.grad_partial).bytes_sent.get(self.rank, 0)
         return total
 
     def destroy(self) -> None:

@@ -1,10 +1,12 @@
 """End-to-end oracle on gloo with the compiled backend: the toy MIMO model trained on 8
 processes equals the undistributed model (one spawned world for every configuration).
 
-The colocated fan-in into zigzag CP and the pipelined disjoint grids run compiled
+The colocated fan-in into zigzag CP, the pipelined disjoint grids and the variable
+variant (image and text lengths changing every step) run compiled
 (``torch.compile(fullgraph=True)``, aot_eager: a graph break would raise); fan-out and
 equal run eager. Every rank compares its synchronised gradients each step and its
-parameters at the end with the undistributed model's (``mimo_fx.mimo.e2e``).
+parameters at the end with the undistributed model's (``mimo_fx.mimo.e2e``); the
+variable variant compiles at most 2 graphs for every length.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 from mimo_fx.mimo.e2e import TOLERANCE, Run, check, train_worker
 from mimo_fx.testing import run_world
 
-RUNS = [Run("colocated", steps=2), Run("pipelined", steps=2),
+RUNS = [Run("colocated", steps=2), Run("pipelined", steps=2), Run("variable", steps=4),
         Run("fan_out", steps=2, backend="eager"), Run("equal", steps=2, backend="eager")]
 
 
@@ -33,3 +35,9 @@ def test_parameters_and_gradients_match_undistributed_model(results, run):
     for row in res["rows"]:
         assert row["grad_diff"] <= TOLERANCE, row
         assert row["bytes_max"] > 0
+
+
+def test_variable_lengths_change_every_step_in_at_most_two_graphs(results):
+    res = results["variable"]
+    assert res["graphs"] <= 2, res["graphs"]
+    assert len({row["bytes_max"] for row in res["rows"]}) > 1  # the lengths did change

@@ -7,7 +7,10 @@ undistributed model.
 - **colocated**: encoder TP2xDP4 and LLM TP2xCP2xDP2 on the same 8 ranks (fan-in bridge
   into zigzag CP);
 - **pipelined**: encoder TP2xDP2 on ranks 0-3, LLM TP2xCP2 on ranks 4-7 (disjoint
-  grids: the bridge is a pipeline-stage transfer).
+  grids: the bridge is a pipeline-stage transfer);
+- **variable**: the colocated layouts with text tokens after the image tokens, and
+  both lengths changing every step (the LLM's sequence 16, 12, 16, 20 tokens); the
+  compiled step serves every length (one graph after Dynamo's first, static, one).
 
 Each step is ``torch.func.grad_and_value`` of the SPMD loss on the process world
 (:class:`mimo_fx.compiled.world.ProcessWorld`), compiled with ``torch.compile`` (backend
@@ -49,7 +52,13 @@ VARIANTS = {
         "enc": M(tp=4, dp=2), "llm": M(cp=2, dp=4)}),
     "equal": MimoParallelism(world_size=8, colocated=True, modules={
         "enc": M(tp=2, dp=4), "llm": M(tp=2, dp=4)}),
+    "variable": MimoParallelism(world_size=8, colocated=True, modules={
+        "enc": M(tp=2, dp=4), "llm": M(tp=2, cp=2, dp=2)}),
 }
+# per step (step 0: the warm-up), image and text tokens per sample
+# (the warm-up compiles at the first and the last: every length differs between them, so
+# Dynamo marks them all dynamic at once)
+LENGTHS = {"variable": ((8, 4), (6, 10), (10, 2), (4, 12), (2, 18))}
 TOLERANCE = 1e-5  # fp32, max abs parameter difference after the last step
 
 
@@ -63,11 +72,15 @@ class Run:
     progress: bool = False  # rank 0 prints a line per phase and per step
 
 
-def _data(cfg: ToyConfig, step: int):
+def _data(cfg: ToyConfig, step: int, variant: str = "colocated"):
+    """Image features, targets and (the variable variant) text embeddings of a step."""
     gen = torch.Generator().manual_seed(1000 + step)
-    x = torch.randn(cfg.batch, cfg.seq, cfg.features, generator=gen)
-    t = torch.randn(cfg.batch, cfg.seq, cfg.hidden, generator=gen)
-    return x, t
+    lengths = LENGTHS.get(variant)
+    images, text = lengths[step % len(lengths)] if lengths else (cfg.seq, 0)
+    x = torch.randn(cfg.batch, images, cfg.features, generator=gen)
+    t = torch.randn(cfg.batch, images + text, cfg.hidden, generator=gen)
+    emb = torch.randn(cfg.batch, text, cfg.hidden, generator=gen) if lengths else None
+    return x, t, emb
 
 
 def _allreduce(values: list[float], op) -> list[float]:
@@ -100,47 +113,60 @@ def _train(rank: int, run: Run) -> dict:
     full = model.init_params(dtype=torch.float32)
     mine = {n: shard(full[n], lay)[rank] for n, lay in layouts.items() if lay.holds(rank)}
     names = list(layouts)
-    world = ProcessWorld(torch.float32)
+    # the variable variant's sequence lengths change every step: its bridges take them
+    # per call, and one compiled graph serves every length
+    world = ProcessWorld(torch.float32, vary=("s", "v", "t") if run.variant in LENGTHS else ())
     llm = grids["llm"]
     counts_loss = rank in llm and llm.coord(rank)["tp"] == 0  # one replica per loss piece
 
-    def loss_fn(p, x, t):
+    def loss_fn(p, x, t, text):
         world.begin(anchor=next(iter(p.values())))
         params = {n: ({rank: p[n]} if n in p else {}) for n in names}
+        lengths = None if text is None else (x.shape[1], text.shape[1])
         losses = model.loss(world, params, {} if x is None else {rank: x},
-                            {} if t is None else {rank: t})
+                            {} if t is None else {rank: t},
+                            text=None if text is None else {rank: text}, lengths=lengths)
         total = losses[rank] if rank in losses else next(iter(p.values())).sum() * 0
         return world.end(total)
 
     grad_step = torch.func.grad_and_value(loss_fn)
     grads = ModuleGrads(world, layouts, run.cfg.sizes)
 
-    def step_grads(fn, x, t):
-        g, value = fn(mine, x, t)
+    def step_grads(fn, x, t, text):
+        g, value = fn(mine, x, t, text)
         grads.zero_grad()
         grads.accumulate({n: ({rank: g[n]} if n in g else {}) for n in names})
         return {n: pieces[rank] for n, pieces in grads.grads.items() if rank in pieces}, value
 
-    def pieces(x, t):
-        return shard(x, model.x).get(rank), shard(t, model.target).get(rank)
+    def pieces(x, t, text):
+        return (shard(x, model.x).get(rank), shard(t, model.target).get(rank),
+                None if text is None else shard(text, model.text).get(rank))
 
-    world.calls = []  # the eager warm-up step records the bytes a step moves
-    step_fn, compile_s = _warm_up(run, grad_step, lambda fn: step_grads(
-        fn, *pieces(*_data(run.cfg, 0))), say)
-    step_bytes = world.bytes_sent()
-    world.calls = None
+    recorded: list = []  # the eager warm-up step's calls: the bytes a step moves
+
+    def run_step(fn, k):
+        world.calls = recorded if fn is grad_step else None
+        try:
+            return step_grads(fn, *pieces(*_data(run.cfg, k, run.variant)))
+        finally:
+            world.calls = None
+
+    step_fn, compile_s = _warm_up(run, grad_step, run_step, say)
 
     rows = []
     for step in range(1, run.steps + 1):
-        x, t = _data(run.cfg, step)
+        x, t, text = _data(run.cfg, step, run.variant)
         dist.barrier()
         start = time.perf_counter()
-        g, value = step_grads(step_fn, *pieces(x, t))
+        g, value = step_grads(step_fn, *pieces(x, t, text))
         with torch.no_grad():
             for n in mine:
                 mine[n] = mine[n] - run.lr * g[n]
         elapsed = time.perf_counter() - start
-        full, ref_loss, grad_diff = _undistributed_step(model, full, x, t, run.lr, g, rank)
+        full, ref_loss, grad_diff = _undistributed_step(model, full, x, t, text, run.lr, g,
+                                                        rank)
+        step_bytes = world.bytes_sent(model.step_sizes(x.shape[1], t.shape[1] - x.shape[1]),
+                                      recorded)
         rows.append(_row(step, float(value) if counts_loss else 0.0, float(ref_loss),
                          grad_diff, step_bytes, elapsed))
         say(f"[{run.variant}] step {step}/{run.steps}: loss {rows[-1]['loss']:.6f} "
@@ -148,11 +174,15 @@ def _train(rank: int, run: Run) -> dict:
             f"{rows[-1]['seconds'] * 1e3:.1f} ms", flush=True)
     param_diff = max(float((mine[n] - shard(full[n], layouts[n])[rank]).abs().max())
                      for n in mine)
-    param_diff, compile_s = _allreduce([param_diff, compile_s], dist.ReduceOp.MAX)
+    from torch._dynamo.utils import counters
+
+    # (counted since the warm-up cleared the counters)
+    param_diff, compile_s, graphs = _allreduce(
+        [param_diff, compile_s, counters["stats"]["unique_graphs"]], dist.ReduceOp.MAX)
     world.destroy()
     torch._dynamo.reset()
     return {"variant": run.variant, "backend": run.backend, "rows": rows,
-            "param_diff": param_diff, "compile_s": compile_s}
+            "param_diff": param_diff, "compile_s": compile_s, "graphs": int(graphs)}
 
 
 def _row(step: int, loss: float, ref_loss: float, grad_diff: float, step_bytes: int,
@@ -171,30 +201,37 @@ def _row(step: int, loss: float, ref_loss: float, grad_diff: float, step_bytes: 
 
 def _warm_up(run: Run, grad_step, run_step, say):
     """An eager step (it prepares every bridge, in the same order on all ranks), then, for
-    a compiled run, the step traced and compiled once: the step to run, compile seconds."""
+    a compiled run, the step traced and compiled (at two lengths when they vary): the step
+    to run, compile seconds. ``run_step(fn, k)`` runs ``fn`` on step ``k``'s data."""
     import torch.distributed as dist
 
-    run_step(grad_step)
+    run_step(grad_step, 0)
     if run.backend == "eager":
         return grad_step, 0.0
     torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     step_fn = torch.compile(grad_step, backend=run.backend, fullgraph=True)
     say(f"[{run.variant}] compiling the step with {run.backend}", flush=True)
     dist.barrier()
     start = time.perf_counter()
-    run_step(step_fn)
+    run_step(step_fn, 0)
+    if run.variant in LENGTHS:  # a second length: Dynamo's dynamic graph, for every length
+        run_step(step_fn, len(LENGTHS[run.variant]) - 1)
     compile_s = time.perf_counter() - start
     say(f"[{run.variant}] compiled in {compile_s:.1f} s", flush=True)
     return step_fn, compile_s
 
 
-def _undistributed_step(model: ToyMimo, full: dict, x, t, lr: float, g: dict, rank: int):
+def _undistributed_step(model: ToyMimo, full: dict, x, t, text, lr: float, g: dict,
+                        rank: int):
     """One SGD step of the undistributed model on the full batch: its new parameters, its
     loss, and how far this rank's gradient pieces ``g`` are from its gradients."""
     from mimo_fx.reference import shard
 
     leaves = {n: v.clone().requires_grad_() for n, v in full.items()}
-    ref_loss = model.reference_loss(leaves, x, t)
+    ref_loss = model.reference_loss(leaves, x, t, text)
     ref_loss.backward()
     layouts = model.param_layouts
     grad_diff = max(float((g[n] - shard(leaves[n].grad, layouts[n])[rank]).abs().max())
@@ -226,6 +263,9 @@ def check(results: list[dict]) -> list[str]:
     """Failed checks, as messages."""
     failures = []
     for res in results:
+        if res["variant"] in LENGTHS and res["backend"] != "eager" and res["graphs"] > 2:
+            failures.append(f"{res['variant']}: {res['graphs']} compiled graphs for changing "
+                            f"lengths (at most 2: Dynamo's first is static)")
         name = res["variant"]
         if not res["param_diff"] <= TOLERANCE:
             failures.append(f"{name}: parameters differ from the undistributed model by "
@@ -241,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mimo_fx.mimo.e2e", description=__doc__.split(
         "\n\n")[0])
     parser.add_argument("--variant", action="append", choices=sorted(VARIANTS),
-                        help="layouts to train (repeatable; default: colocated and pipelined)")
+                        help="layouts to train (repeatable; default: colocated, pipelined "
+                             "and variable)")
     parser.add_argument("--steps", type=int, default=3, help="SGD steps (default 3)")
     parser.add_argument("--backend", default="aot_eager",
                         help="torch.compile backend (aot_eager, inductor) or 'eager'")
@@ -252,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps {args.steps}: need at least one step")
     from mimo_fx.testing import run_world
 
-    variants = args.variant or ["colocated", "pipelined"]
+    variants = args.variant or ["colocated", "pipelined", "variable"]
     runs = [Run(v, steps=args.steps, backend=args.backend, progress=True) for v in variants]
     print(f"training the toy MIMO model on 8 gloo processes: {', '.join(variants)}; "
           f"{args.steps} steps, backend {args.backend} ...", flush=True)
@@ -262,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     for res in results:
         print(f"{res['variant']}: max parameter difference after {args.steps} steps "
               f"{res['param_diff']:.1e} (tolerance {TOLERANCE:.0e}); compile "
-              f"{res['compile_s']:.1f} s")
+              f"{res['compile_s']:.1f} s, {res['graphs']} graph(s)")
     failures = check(results)
     print(f"world run took {time.perf_counter() - start:.0f} s; "
           + ("all checks passed" if not failures else "FAILED:\n  " + "\n  ".join(failures)))
