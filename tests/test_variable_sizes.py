@@ -189,12 +189,48 @@ def _exchange_facts(rank: int) -> dict:
     return out
 
 
+def _readme_example() -> str:
+    """The README's example of changing sizes, as a user pastes it."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = text[text.index("### Sizes that change every step"):]
+    return section[section.index("```python") + len("```python"):section.index("```\n\n")]
+
+
+def _run_readme_example(rank: int) -> dict:
+    """Run it as written: the world exists already (so ``init_process_group`` is
+    skipped), and torch.compile's default backend is aot_eager here (inductor is
+    tested on 4 ranks below)."""
+    import functools
+
+    import torch._dynamo as dynamo
+    import torch.distributed as dist
+
+    code = _readme_example()
+    original, init = torch.compile, dist.init_process_group
+    dynamo.reset()
+    before = _graphs()
+    scope: dict = {}
+    try:
+        torch.compile = functools.partial(original, backend="aot_eager")  # type: ignore
+        dist.init_process_group = lambda *a, **k: None  # type: ignore[assignment]
+        exec(compile(code, "README.md", "exec"), scope)
+    finally:
+        torch.compile, dist.init_process_group = original, init
+    out = {"granules": scope["bridge"].granules, "graphs": _graphs() - before,
+           "grad": scope["w"].grad is not None}
+    scope["bridge"].destroy()
+    return out
+
+
 def _world8(rank: int, world: int) -> dict:
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1
     return {"a": _scenario_a(rank, "aot_eager"), "b": _scenario_b(rank, "aot_eager"),
-            "c": _scenario_c(rank, "aot_eager"), "facts": _exchange_facts(rank)}
+            "c": _scenario_c(rank, "aot_eager"), "facts": _exchange_facts(rank),
+            "readme": _run_readme_example(rank)}
 
 
 def _world4_inductor(rank: int, world: int) -> dict:
@@ -252,6 +288,11 @@ def test_ragged_counts_per_replica_equal_the_oracle(world8, case):
                                   "uneven_sizes_learned_exactly", "cache_is_bounded"])
 def test_exchange_facts(world8, fact):
     assert all(res["facts"][fact] for res in world8), [res["facts"][fact] for res in world8]
+
+
+def test_the_readme_example_runs_in_at_most_two_graphs(world8):
+    for res in world8:
+        assert res["readme"] == {"granules": {"b": 4, "s": 4}, "graphs": 2, "grad": True}
 
 
 @pytest.mark.parametrize("scenario", ["a", "b"])
