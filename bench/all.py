@@ -13,6 +13,9 @@ Runs, one after the other so they do not disturb each other's timings:
    eager leader-based bridge vs the bare collectives -> ``dtensor_compare_gloo8.txt``.
 4. ``compiled_speed.py``: redistribute vs the bare collectives it lowers to, call
    overhead, compile time -> ``compiled_speed_gloo8.txt``.
+5. ``variable_sizes.py``: a new size per rank at 8-4096 ranks, the size exchange's cost,
+   a compiled training loop with the length changing every step vs a fixed length
+   -> ``variable_sizes.txt``.
 
 Each results file starts with the command, the date and the machine (CPUs, load
 average, torch); the load matters: 8 processes on a busy 2-core machine time noise.
@@ -36,6 +39,7 @@ SUITE = (
     ("plan_speed.py", "plan_speed.txt"),
     ("dtensor_compare.py", None),  # writes dtensor_compare_gloo8.txt itself
     ("compiled_speed.py", "compiled_speed_gloo8.txt"),
+    ("variable_sizes.py", "variable_sizes.txt"),
 )
 
 

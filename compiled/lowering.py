@@ -39,7 +39,8 @@ from mimo_fx.regions import Box, Interval, Tiling, box_volume
 from mimo_fx.sizes import Symbolizer
 from mimo_fx.symbolic import Expr, Undecided, hint, known_ge, smax, smin
 
-__all__ = ["View", "Cat", "Scatter", "Op", "Program", "lower", "coalesce", "at", "symbolic"]
+__all__ = ["View", "Cat", "Scatter", "Op", "Program", "lower", "coalesce", "at", "evaluator",
+           "symbolic"]
 
 Block = tuple[tuple[Interval, ...], ...]  # per dim, intervals in storage order
 
@@ -487,14 +488,52 @@ def _numbers(obj: Any):
 def at(obj: Any, env) -> Any:
     """``obj`` (a program or any part of one) with every polynomial evaluated at ``env``:
     a plain program for one set of sizes (built eagerly; under ``torch.compile`` the
-    executor evaluates the numbers itself, see :class:`~.executor.Numbers`)."""
+    executor evaluates the numbers itself, see :class:`~.executor.Numbers`). For many
+    sizes, compile the walk once with :func:`evaluator`."""
+    return evaluator(obj)(env)
+
+
+_CONST = object()  # an evaluator's answer for a part with no polynomial in it
+
+
+def evaluator(obj: Any) -> Callable[[Any], Any]:
+    """A function ``env -> at(obj, env)`` that visits only the parts of ``obj`` holding a
+    polynomial: an all-to-all's split sizes list every rank of the union, but a rank
+    exchanges with few, so a new size costs what this rank's own numbers cost."""
+    walk = _walker(obj)
+    return (lambda env: obj) if walk is _CONST else walk
+
+
+def _walker(obj: Any):
     if isinstance(obj, Expr):
-        return obj.eval(env)
+        return obj.eval
     if isinstance(obj, slice):
-        return slice(at(obj.start, env), at(obj.stop, env))
+        lo, hi = _walker(obj.start), _walker(obj.stop)
+        if lo is _CONST and hi is _CONST:
+            return _CONST
+        start, stop = obj.start, obj.stop
+        return lambda env: slice(start if lo is _CONST else lo(env),
+                                 stop if hi is _CONST else hi(env))
     if isinstance(obj, tuple):
-        return tuple(at(item, env) for item in obj)
+        parts = [(i, w) for i, w in enumerate(map(_walker, obj)) if w is not _CONST]
+        if not parts:
+            return _CONST
+
+        return _tuple_walker(list(obj), parts)
     if isinstance(obj, View | Cat | Scatter | Op | Program):
-        return replace(obj, **{name: at(getattr(obj, name), env)
-                               for name in obj.__dataclass_fields__})
-    return obj
+        fields = [(n, w) for n in obj.__dataclass_fields__
+                  if (w := _walker(getattr(obj, n))) is not _CONST]
+        if not fields:
+            return _CONST
+        return lambda env: replace(obj, **{n: w(env) for n, w in fields})
+    return _CONST
+
+
+def _tuple_walker(base: list, parts: list) -> Callable[[Any], tuple]:
+    """A tuple's evaluator: a copy of ``base`` with only the ``parts`` re-evaluated."""
+    def tuple_at(env) -> tuple:
+        out = base.copy()
+        for i, w in parts:
+            out[i] = w(env)
+        return tuple(out)
+    return tuple_at

@@ -184,6 +184,9 @@ class Redistributor:
         elif t is not None:
             self._fwd_program = lowering.lower(t.fwd, self.rank, t.fwd_sym)
             self._bwd_program = lowering.lower(t.bwd, self.rank, t.bwd_sym)
+            # a new size evaluates only this rank's polynomials
+            self._at = (lowering.evaluator(self._fwd_program),
+                        lowering.evaluator(self._bwd_program))
         else:
             self._fwd_program = self._bwd_program = None  # type: ignore[assignment]
         self._src_shape = None if self.free else self._fwd_program.src_shape
@@ -334,7 +337,7 @@ class Redistributor:
         t = self.template
         if t is not None and t.fits(full):
             env = t.env(full)
-            progs = (lowering.at(self._fwd_program, env), lowering.at(self._bwd_program, env))
+            progs = (self._at[0](env), self._at[1](env))
         else:
             check_sizes(self.src, self.dst, full)
             fwd = self._restrict(plan(self.src, self.dst, full, self.dtype))

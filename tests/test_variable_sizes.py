@@ -189,6 +189,47 @@ def _exchange_facts(rank: int) -> dict:
     return out
 
 
+def _outside_the_template(rank: int) -> dict:
+    """Sizes given under torch.compile that no template serves: an uneven batch, and
+    ragged counts cut by an even CP layout (planned per count pattern); each its own
+    graph, values and gradients still the oracle's."""
+    import torch._dynamo as dynamo
+
+    from mimo_fx.compiled import Redistributor
+    from mimo_fx.reference import shard
+
+    out = {}
+    src, dst = Layout(ENC, "(dp b) s h"), Layout(LLM, "(dp b) (cp s) h", zigzag="cp")
+    bridge = Redistributor(src, dst, {"h": 6}, torch.float64)
+    fn = torch.compile(lambda x, b, s: bridge(x, b=b, s=s), backend="aot_eager",
+                       fullgraph=True)
+    problems = []
+    dynamo.reset()
+    for b, s in ((8, 16), (7, 12), (8, 20)):   # b=7 over dp 4 and 2 is uneven
+        X = torch.arange(b * s * 6, dtype=torch.float64).reshape(b, s, 6)
+        y = fn(shard(X, src)[rank], b, s)
+        if not torch.equal(y, shard(X, dst)[rank]):
+            problems.append(f"b={b}, s={s}: output")
+    out["uneven_given"] = problems
+    bridge.destroy()
+    src = Layout(ENC, "(dp t) h", ragged="dp")
+    dst = Layout(LLM, "(cp t) h")
+    bridge = Redistributor(src, dst, {"h": 2}, torch.float64)
+    problems = []
+    dynamo.reset()
+    before = _graphs()
+    fn = torch.compile(lambda x, t: bridge(x, t=t), backend="aot_eager", fullgraph=True)
+    for counts in ((3, 0, 5, 2), (1, 1, 1, 1), (3, 0, 5, 2)):
+        X = torch.arange(sum(counts) * 2, dtype=torch.float64).reshape(-1, 2)
+        y = fn(shard(X, src, t=counts)[rank], counts)
+        if not torch.equal(y, shard(X, dst)[rank]):
+            problems.append(f"t={counts}: output")
+    out["ragged_to_cp_given"] = problems
+    out["ragged_to_cp_graphs"] = _graphs() - before
+    bridge.destroy()
+    return out
+
+
 def _readme_example() -> str:
     """The README's example of changing sizes, as a user pastes it."""
     import pathlib
@@ -230,7 +271,7 @@ def _world8(rank: int, world: int) -> dict:
     torch._inductor.config.compile_threads = 1
     return {"a": _scenario_a(rank, "aot_eager"), "b": _scenario_b(rank, "aot_eager"),
             "c": _scenario_c(rank, "aot_eager"), "facts": _exchange_facts(rank),
-            "readme": _run_readme_example(rank)}
+            "readme": _run_readme_example(rank), "outside": _outside_the_template(rank)}
 
 
 def _world4_inductor(rank: int, world: int) -> dict:
@@ -288,6 +329,12 @@ def test_ragged_counts_per_replica_equal_the_oracle(world8, case):
                                   "uneven_sizes_learned_exactly", "cache_is_bounded"])
 def test_exchange_facts(world8, fact):
     assert all(res["facts"][fact] for res in world8), [res["facts"][fact] for res in world8]
+
+
+def test_sizes_outside_the_template_compile_alone_and_stay_exact(world8):
+    for res in world8:
+        assert res["outside"]["uneven_given"] == [] and res["outside"]["ragged_to_cp_given"] == []
+        assert res["outside"]["ragged_to_cp_graphs"] == 2  # one per count pattern
 
 
 def test_the_readme_example_runs_in_at_most_two_graphs(world8):
