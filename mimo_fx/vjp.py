@@ -28,23 +28,25 @@ class Executor(Protocol):
 
 
 class _Redistribute(torch.autograd.Function):
-    # the env travels as a tuple of values (ints, or SymInts under torch.compile) beside
-    # the constant tuple of its variables: both trace as plain arguments
+    # ``job`` is (executor, fwd, bwd, variables, values): one argument, because apply binds
+    # the signature on every call (each parameter costs); the env travels as a tuple of
+    # values (ints, or SymInts under torch.compile) beside its variables' constant tuple
     @staticmethod
-    def forward(executor, fwd, bwd, variables, values, *tensors):
+    def forward(job, *tensors):
+        executor, fwd, _, variables, values = job
         return tuple(executor.run(fwd, tensors, _env(variables, values)))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.executor, ctx.bwd = inputs[0], inputs[2]
-        ctx.variables, ctx.values = inputs[3], inputs[4]
+        ctx.job = inputs[0]
 
     @staticmethod
     def backward(ctx, *grads):
+        executor, _, bwd, variables, values = ctx.job
         with torch.no_grad():
-            out = ctx.executor.run(ctx.bwd, tuple(g.contiguous() for g in grads),
-                                   _env(ctx.variables, ctx.values))
-        return (None, None, None, None, None, *out)
+            out = executor.run(bwd, tuple(g.contiguous() for g in grads),
+                               _env(variables, values))
+        return (None, *out)
 
 
 def _env(variables, values) -> dict | None:
@@ -56,4 +58,4 @@ def apply(executor: Executor, fwd, bwd, tensors, values: tuple | None = None,
     """Run ``fwd`` through the custom vjp whose backward runs ``bwd`` (plans or their
     lowered per-rank programs, whatever the executor runs); template programs take the
     ``values`` of their ``variables``."""
-    return _Redistribute.apply(executor, fwd, bwd, variables, values, *tensors)
+    return _Redistribute.apply((executor, fwd, bwd, variables, values), *tensors)
