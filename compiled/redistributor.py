@@ -1,8 +1,9 @@
 """The prepared bridge: one ``redistribute(src -> dst)`` for this rank.
 
-A :class:`Redistributor` plans forward and adjoint, creates every process group they
-need (eagerly, in plan order, on every rank), lowers both plans to this rank's programs
-and binds them to a comm over those groups. A call validates its tensor (see
+A :class:`Redistributor` plans this rank's part of forward and adjoint (no rank plans
+another's transfers), creates every process group they need (eagerly, in plan order, on
+every rank, listed from the decisions the plans share), lowers both parts to this rank's
+programs and binds them to a comm over those groups. A call validates its tensor (see
 :mod:`.guard`), then runs the forward program through the custom vjp, whose backward
 runs the adjoint program. Everything a call does is tensor ops and ordered collectives,
 so it traces under ``torch.compile(fullgraph=True)``.
@@ -35,13 +36,12 @@ from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
 from mimo_fx.local import local_shape
 from mimo_fx.plan import (
-    Exchange,
-    Gather,
-    Plan,
-    backward_plan,
+    backward_layouts,
     check_sizes,
     format_bytes,
     plan,
+    plan_for_rank,
+    plan_groups,
     size_arguments,
 )
 from mimo_fx.regions import Tiling
@@ -123,10 +123,14 @@ class Redistributor:
         self.involved = self.rank in self.union
         self.device = torch.device(device) if device is not None else _default_device()
         self.template: Template | None = None
-        self._plan_shapes()
-        self._groups = list(dict.fromkeys(self.fwd.rank_groups + self.bwd.rank_groups))
+        self._adjoint = backward_layouts(src, dst, self.grad_partial)
+        sizes_ = self._plan_shapes()
+        # every rank lists the same groups in the same order, from the decisions the
+        # plans share (no rank plans another's transfers)
+        self._groups = list(dict.fromkeys(plan_groups(src, dst, sizes_)
+                                          + plan_groups(*self._adjoint, sizes_)))
         if self.free and len(self.union) > 1 and self.union not in self._groups:
-            self._groups.append(self.union)  # for plans whose gathers find no group
+            self._groups.append(self.union)  # for sizes whose gathers find no group
         acquire(self._groups)
         # every bridge has its check group (whether checked or not, see .groups)
         self._check_groups = [self.union] if len(self.union) > 1 else []
@@ -158,23 +162,25 @@ class Redistributor:
         _log_plans(self)
 
     # -- building ------------------------------------------------------------------------
-    def _plan_shapes(self) -> None:
-        """The plans the bridge is built on: at its sizes when all are fixed, else at the
-        template sizes its layouts choose (then also the template)."""
+    def _plan_shapes(self) -> dict:
+        """This rank's parts of the plans the bridge is built on: at its sizes when all
+        are fixed, else at the template sizes its layouts choose (then also the
+        template). Returns those sizes."""
         src, dst, dtype = self.src, self.dst, self.dtype
+        sizes: dict
         if not self.free:
-            check_sizes(src, dst, self.fixed)
-            self.fwd = plan(src, dst, self.fixed, dtype)
-            self.bwd = backward_plan(src, dst, self.fixed, dtype, self.grad_partial)
-            return
-        ragged = set(src.ragged_dims) | set(dst.ragged_dims)
-        counts = {d: lcm(src.shards(d), dst.shards(d)) for d in self.free if d in ragged}
-        sizes = canonical_sizes(src, dst, self.fixed, counts)
+            sizes = self.fixed
+        else:
+            ragged = set(src.ragged_dims) | set(dst.ragged_dims)
+            counts = {d: lcm(src.shards(d), dst.shards(d)) for d in self.free if d in ragged}
+            sizes = canonical_sizes(src, dst, self.fixed, counts)
         check_sizes(src, dst, sizes)
-        self.fwd = plan(src, dst, sizes, dtype)
-        self.bwd = backward_plan(src, dst, sizes, dtype, self.grad_partial)
-        self.template = Template.build(src, dst, sizes, dtype.itemsize, self.grad_partial,
-                                       self.free)
+        self.fwd = plan_for_rank(src, dst, sizes, dtype, rank=self.rank)
+        self.bwd = plan_for_rank(*self._adjoint, sizes, dtype, rank=self.rank)
+        if self.free:
+            self.template = Template.build(src, dst, sizes, dtype.itemsize,
+                                           self.grad_partial, self.free, rank=self.rank)
+        return sizes
 
     def _lower_programs(self) -> None:
         t = self.template
@@ -340,27 +346,20 @@ class Redistributor:
             progs = (self._at[0](env), self._at[1](env))
         else:
             check_sizes(self.src, self.dst, full)
-            fwd = self._restrict(plan(self.src, self.dst, full, self.dtype))
-            bwd = self._restrict(backward_plan(self.src, self.dst, full, self.dtype,
-                                               self.grad_partial))
-            progs = (lowering.lower(fwd, self.rank), lowering.lower(bwd, self.rank))
+            progs = (lowering.lower(self._rank_plan((self.src, self.dst), full), self.rank),
+                     lowering.lower(self._rank_plan(self._adjoint, full), self.rank))
         self._cache[key] = progs
         if len(self._cache) > CACHED_SIZES:
             self._cache.popitem(last=False)
         return progs
 
-    def _restrict(self, p: Plan) -> Plan:
-        """``p`` with every gather over a group this bridge did not create done as an
-        all-to-all over the union (created for this): process groups never depend on
-        sizes, and the same sizes restrict alike on every rank."""
+    def _rank_plan(self, layouts: tuple[Layout, Layout], sizes: dict):
+        """This rank's part of the plan at ``sizes``; where it would gather over groups
+        the bridge did not create, the exchange is one all-to-all over the union (created
+        for this): process groups never depend on sizes, and every rank decides alike."""
         made = set(self._groups)
-        steps = []
-        for step in p.steps:
-            if isinstance(step, Gather) and not all(g in made for g in step.groups
-                                                    if len(g) > 1):
-                step = Exchange(tuple(_gather_transfers(step)), self.union)
-            steps.append(step)
-        return p if steps == list(p.steps) else _replace_steps(p, tuple(steps))
+        missing = not set(plan_groups(*layouts, sizes)) <= made
+        return plan_for_rank(*layouts, sizes, self.dtype, rank=self.rank, all_to_all=missing)
 
     # -- guards ------------------------------------------------------------------------
     def _assert_live(self) -> None:
@@ -550,22 +549,6 @@ def _same(a, b) -> bool:
     return tuple(a) == tuple(b) if isinstance(a, tuple | list) else a == b
 
 
-def _gather_transfers(step: Gather):
-    from mimo_fx.plan import Transfer
-
-    for ranks, parts in zip(step.groups, step.shares):
-        for i, sender in enumerate(ranks):
-            for j, receiver in enumerate(ranks):
-                if i != j:
-                    yield from (Transfer(sender, receiver, box) for box in parts[i])
-
-
-def _replace_steps(p: Plan, steps: tuple) -> Plan:
-    from dataclasses import replace
-
-    return replace(p, steps=steps)
-
-
 def _log_plans(bridge: Redistributor) -> None:
     """With ``MIMO_FX_DEBUG=1`` (or the ``mimo_fx`` logger at DEBUG), log this rank's
     collectives and bytes of each plan once, when the bridge is built."""
@@ -579,10 +562,11 @@ def _log_plans(bridge: Redistributor) -> None:
         LOG.debug("rank %d: %s: sizes of %s learned or given per call; template: %s", rank,
                   bridge._label, ", ".join(bridge.free),
                   t.describe() if t else "none (each size planned by itself)")
-    for what, p, program in (("forward", bridge.fwd, bridge._fwd_program),
-                             ("backward", bridge.bwd, bridge._bwd_program)):
-        if program is None:
-            continue
+        return
+    for what, layouts, program in (("forward", (bridge.src, bridge.dst), bridge._fwd_program),
+                                   ("backward", bridge._adjoint, bridge._bwd_program)):
+        # the bytes need the whole plan: planned here only when someone asks for them
+        p = plan(*layouts, bridge.fixed, bridge.dtype)
         calls = ", ".join(f"{op.kind} over {len(op.ranks)} ranks"
                           for op in program.ops) or "no collective"
         LOG.debug("rank %d: %s %s: %s; sends %s, receives %s", rank, bridge._label, what,

@@ -54,8 +54,8 @@ from .regions import Box, Size, Tiling, _digit_column, box_volume, intersect, to
 
 __all__ = [
     "Collective", "Transfer", "ReduceScatter", "AllReduce", "Reduce", "Gather", "Exchange",
-    "Plan", "RankPlan", "plan", "plan_for_rank", "backward_plan", "check_sizes",
-    "size_arguments", "format_bytes",
+    "Plan", "RankPlan", "plan", "plan_for_rank", "backward_plan", "backward_layouts",
+    "plan_groups", "plan_tilings", "check_sizes", "size_arguments", "format_bytes",
 ]
 
 
@@ -426,16 +426,19 @@ def format_bytes(n: float, digits: int = 1) -> str:
 
 
 # -- entry points --------------------------------------------------------------------------
-def plan(src: Layout, dst: Layout, sizes: Mapping[str, Size], dtype=None) -> Plan:
+def plan(src: Layout, dst: Layout, sizes: Mapping[str, Size], dtype=None, *,
+         all_to_all: bool = False) -> Plan:
     """The plan moving a tensor with global ``sizes`` from ``src`` to ``dst`` (a ragged
     dim's size is its tuple of counts).
 
     ``dtype`` is anything with an ``itemsize`` (a ``torch.dtype``); default 4 bytes.
-    Pure and cached: equal arguments return the same object.
+    ``all_to_all``: issue an exchange that forms all-gathers as one all-to-all over the
+    union instead (for a caller without those groups' process groups). Pure and cached:
+    equal arguments return the same object.
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise MimoFxError(f"plan needs two Layouts, got {src!r} and {dst!r}")
-    return _plan(src, dst, check_sizes(src, dst, sizes), _itemsize(dtype))
+    return _plan(src, dst, check_sizes(src, dst, sizes), _itemsize(dtype), all_to_all)
 
 
 def _itemsize(dtype) -> int:
@@ -447,7 +450,7 @@ def _itemsize(dtype) -> int:
 
 
 def plan_for_rank(src: Layout, dst: Layout, sizes: Mapping[str, Size], dtype=None, *,
-                  rank: int) -> RankPlan:
+                  rank: int, all_to_all: bool = False) -> RankPlan:
     """``rank``'s part of ``plan(src, dst, sizes, dtype)``, planned alone.
 
     What a rank needs to lower its program (``mimo_fx.compiled.lowering.lower``): the
@@ -460,7 +463,8 @@ def plan_for_rank(src: Layout, dst: Layout, sizes: Mapping[str, Size], dtype=Non
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise MimoFxError(f"plan_for_rank: rank={rank!r} must be a non-negative integer (the "
                           f"rank whose part to plan)")
-    return _rank_plan(src, dst, check_sizes(src, dst, sizes), _itemsize(dtype), rank)
+    return _rank_plan(src, dst, check_sizes(src, dst, sizes), _itemsize(dtype), rank,
+                      all_to_all)
 
 
 def backward_plan(
@@ -471,7 +475,41 @@ def backward_plan(
     Cotangents on dst's replicated axes are taken as consistent, except over the axes in
     ``grad_partial``, where each replica holds a contribution and they are summed.
     """
-    return plan(_bwd_dst(dst, tuple(grad_partial)), _star(src), sizes, dtype)
+    return plan(*backward_layouts(src, dst, grad_partial), sizes, dtype)
+
+
+def backward_layouts(src: Layout, dst: Layout, grad_partial=()) -> tuple[Layout, Layout]:
+    """The adjoint's (src, dst): dst with ``grad_partial`` partial, and src* (src with
+    its partial axes replicated); ``plan_for_rank(*backward_layouts(...), ...)`` is one
+    rank's part of :func:`backward_plan`."""
+    return _bwd_dst(dst, tuple(grad_partial)), _star(src)
+
+
+def plan_groups(src: Layout, dst: Layout, sizes: Mapping[str, Size], *,
+                all_to_all: bool = False) -> tuple[tuple[int, ...], ...]:
+    """The groups of ranks (two or more) the plan's steps run on, in issue order --
+    ``plan(...).rank_groups`` -- from the decisions every rank shares, without any
+    transfer: what every rank needs to create the same process groups in the same
+    order while planning only its own part."""
+    f = _frame(src, dst, check_sizes(src, dst, sizes), all_to_all)
+    groups: list[tuple[int, ...]] = []
+    if f.reduce_axes:
+        groups += _groups(f.src, f.reduce_axes, None)
+    if f.kind == "all_to_all":
+        groups.append(f.union)
+    elif f.kind == "all_gather" and not f.fused:
+        groups += _exchange_gather(f, None).groups
+    if f.gather_axes:
+        groups += _groups(f.dst, f.gather_axes, None)
+    return tuple(dict.fromkeys(g for g in groups if len(g) > 1))
+
+
+def plan_tilings(src: Layout, dst: Layout, sizes: Mapping[str, Size]) -> tuple[Tiling, ...]:
+    """Every tiling the plan's boxes are cut from -- what src holds before and after its
+    reduction, what the exchange delivers (dst's need, or its first phase's shares), what
+    dst needs -- so every boundary of the plan is one of theirs."""
+    f = _frame(src, dst, check_sizes(src, dst, sizes))
+    return f.before, f.hold, f.exchange.want, f.need
 
 
 @cache
@@ -608,7 +646,8 @@ def _disjoint(src: Layout, dst: Layout) -> bool:
 
 
 @lru_cache(maxsize=64)
-def _frame(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...]) -> _Frame:
+def _frame(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...],
+           all_to_all: bool = False) -> _Frame:
     dims = tuple(d for d, _ in sizes)
     size_map = dict(sizes)
     before = hold = Tiling.of(src, dims, size_map)
@@ -629,6 +668,8 @@ def _frame(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...]) -> _Fr
         hold = hold.refine(cut, reduce_axes)
     geometry = Geometry(hold, want, kept)
     kind = geometry.kind()
+    if all_to_all and kind == "all_gather":
+        kind = "all_to_all"
     fused = (cut is not None and kind == "all_gather"
              and _fusable(before, want, cut, reduce_axes))
     return _Frame(src, dst, dims, before, hold, need, geometry, reduce_axes, gather_axes, kind,
@@ -795,8 +836,9 @@ def _no_cycle_collection() -> Iterator[None]:
 
 @lru_cache(maxsize=64)
 @_no_cycle_collection()
-def _plan(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...], itemsize: int) -> Plan:
-    f = _frame(src, dst, sizes)
+def _plan(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...], itemsize: int,
+          all_to_all: bool = False) -> Plan:
+    f = _frame(src, dst, sizes, all_to_all)
     return Plan(src, dst, f.dims, sizes, itemsize, _steps(f, None), f.hold, f.need,
                 f.reduce_axes)
 
@@ -804,8 +846,8 @@ def _plan(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...], itemsiz
 @lru_cache(maxsize=256)
 @_no_cycle_collection()
 def _rank_plan(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...], itemsize: int,
-               rank: int) -> RankPlan:
-    f = _frame(src, dst, sizes)
+               rank: int, all_to_all: bool = False) -> RankPlan:
+    f = _frame(src, dst, sizes, all_to_all)
     return RankPlan(src, dst, f.dims, sizes, itemsize, _steps(f, rank), f.hold, f.need,
                     f.reduce_axes, rank)
 

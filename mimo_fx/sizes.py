@@ -31,13 +31,22 @@ do not fit (uneven cuts, a ragged dim that an even cut splits) are planned one b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from math import gcd, lcm
 from typing import Any
 
 from .layout import Layout
-from .plan import AllReduce, Exchange, Gather, Plan, ReduceScatter, backward_plan, plan
+from .plan import (
+    Exchange,
+    Gather,
+    Plan,
+    RankPlan,
+    backward_layouts,
+    plan,
+    plan_for_rank,
+    plan_tilings,
+)
 from .regions import Box, Size, prefix_sums, total
 from .symbolic import Expr, Num
 
@@ -123,29 +132,15 @@ def _ragged_map(positions: dict[int, Num], dim: str) -> Callable[[int], Num]:
     return f
 
 
-def _boxes(p: Plan) -> Iterator[Box]:
-    for step in p.steps:
-        if isinstance(step, Exchange):
-            yield from (t.box for t in step.transfers)
-            continue
-        for parts in step.shares:
-            for part in parts:
-                yield from part
-        if isinstance(step, ReduceScatter | AllReduce):
-            for region in step.regions:
-                yield from region
-
-
-def _boundaries(p: Plan, k: int) -> set[int]:
-    """Every boundary on dim ``k`` that plan ``p`` moves data at."""
+def _boundaries(tilings, k: int) -> set[int]:
+    """Every boundary on dim ``k`` of ``tilings`` (a plan's, see ``plan_tilings``): every
+    box a plan moves is cut from them, so these are all the positions it has."""
     out: set[int] = set()
-    for tiling in (p.hold, p.need):
+    for tiling in tilings:
         t = tiling.tilings[k]
         for owner in range(t.owners):
             for lo, hi in t.owned(owner):
                 out.update((lo, hi))
-    for box in _boxes(p):
-        out.update(box[k])
     return out
 
 
@@ -164,18 +159,20 @@ class Template:
     free: tuple[str, ...]
     granules: dict[str, int]         # free even dims
     counts: dict[str, int]           # free ragged dims: how many counts
-    fwd: Plan
-    bwd: Plan
+    fwd: Plan | RankPlan             # a rank's part when built for one rank
+    bwd: Plan | RankPlan
     fwd_sym: Symbolizer              # positions of fwd (its dim order), as polynomials
     bwd_sym: Symbolizer
     variables: tuple[tuple, ...]     # the env's keys, in a fixed order
 
     @staticmethod
     def build(src: Layout, dst: Layout, sizes: Mapping[str, Size], itemsize: int,
-              grad_partial: tuple[str, ...], free: tuple[str, ...]) -> Template | None:
+              grad_partial: tuple[str, ...], free: tuple[str, ...],
+              rank: int | None = None) -> Template | None:
         """The template at ``sizes``, or None when these sizes cannot be one: a free even
         dim that a layout cuts unevenly, or a free ragged dim that a layout cuts
-        evenly (its plan then depends on the counts)."""
+        evenly (its plan then depends on the counts). With ``rank``, its plans are that
+        rank's parts (what a bridge lowers); the granules are the same on every rank."""
         ragged = set(src.ragged_dims) | set(dst.ragged_dims)
         tsizes: dict[str, Size] = dict(sizes)
         for d in free:
@@ -185,15 +182,22 @@ class Template:
                 tsizes[d] = (1,) * len(sizes[d])  # type: ignore[arg-type]
             elif not all(_cut_evenly(lay, d, total(sizes[d])) for lay in (src, dst)):
                 return None
-        fwd = plan(src, dst, tsizes, itemsize)
-        bwd = backward_plan(src, dst, tsizes, itemsize, grad_partial)
+        adjoint = backward_layouts(src, dst, grad_partial)
+        fwd: Plan | RankPlan
+        bwd: Plan | RankPlan
+        if rank is None:
+            fwd, bwd = plan(src, dst, tsizes, itemsize), plan(*adjoint, tsizes, itemsize)
+        else:
+            fwd = plan_for_rank(src, dst, tsizes, itemsize, rank=rank)
+            bwd = plan_for_rank(*adjoint, tsizes, itemsize, rank=rank)
+        tilings = (plan_tilings(src, dst, tsizes), plan_tilings(*adjoint, tsizes))
         try:
-            return Template._symbolize(src, dst, tsizes, free, fwd, bwd, ragged)
+            return Template._symbolize(src, dst, tsizes, free, fwd, bwd, ragged, tilings)
         except _Unfit:
             return None
 
     @staticmethod
-    def _symbolize(src, dst, tsizes, free, fwd, bwd, ragged) -> Template:
+    def _symbolize(src, dst, tsizes, free, fwd, bwd, ragged, tilings) -> Template:
         maps: dict[str, Callable[[int], Num]] = {}
         granules: dict[str, int] = {}
         counts: dict[str, int] = {}
@@ -213,16 +217,16 @@ class Template:
                 maps[d] = _ragged_map(positions, d)
                 continue
             g = tsizes[d]
-            for plan_ in (fwd, bwd):
-                for e in _boundaries(plan_, plan_.dims.index(d)):
+            for plan_, cuts in zip((fwd, bwd), tilings):
+                for e in _boundaries(cuts, plan_.dims.index(d)):
                     g = gcd(g, e)
             granules[d] = tsizes[d] // g
             variables.append(("u", d))
             maps[d] = _even_map(g, Expr.var(("u", d), g), d)
         syms = tuple(Symbolizer(p.dims, tuple(maps.get(d) for d in p.dims)) for p in (fwd, bwd))
-        for plan_, sym in zip((fwd, bwd), syms):  # every boundary maps (else _Unfit)
+        for plan_, sym, cuts in zip((fwd, bwd), syms, tilings):  # all map, else _Unfit
             for k in range(len(plan_.dims)):
-                for e in _boundaries(plan_, k):
+                for e in _boundaries(cuts, k):
                     sym.interval(k, (e, e))
         return Template(src, dst, dict(tsizes), tuple(free), granules, counts, fwd, bwd,
                         syms[0], syms[1], tuple(variables))

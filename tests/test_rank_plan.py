@@ -38,7 +38,9 @@ from mimo_fx.plan import (
     _frame,
     _plan,
     _rank_plan,
+    backward_layouts,
     plan_for_rank,
+    plan_groups,
 )
 
 
@@ -261,3 +263,40 @@ def test_plan_caches_are_bounded():
     assert _plan.cache_info().maxsize == 64
     assert _rank_plan.cache_info().maxsize is not None
     assert _frame.cache_info().maxsize is not None
+
+
+def _groups_match(src, dst, sizes) -> None:
+    for layouts, p in (((src, dst), plan(src, dst, sizes)),
+                       (backward_layouts(src, dst), backward_plan(src, dst, sizes))):
+        assert plan_groups(*layouts, sizes) == p.rank_groups
+
+
+@pytest.mark.parametrize("case", CASES + RAGGED, ids=case_ids(CASES + RAGGED))
+def test_plan_groups_are_the_whole_plan_s_groups(case: Case):
+    """What a bridge creates its process groups from, on every rank alike."""
+    _groups_match(case.src, case.dst, case.sizes)
+
+
+@SETTINGS
+@given(pairs())
+def test_plan_groups_on_random_pairs(pair):
+    _groups_match(*pair)
+
+
+# cases whose exchange forms all-gathers (on disjoint grids a gather is the second phase)
+GATHERING = [c for c in CASES if "disjoint" not in c.tags
+             and any(isinstance(s, Gather) for s in plan(c.src, c.dst, c.sizes).steps)]
+
+
+@pytest.mark.parametrize("case", GATHERING, ids=case_ids(GATHERING))
+def test_an_exchange_issued_as_one_all_to_all_moves_the_same_boxes(case: Case):
+    """``all_to_all=True`` (for a bridge without the gathers' process groups): the same
+    elements reach the same ranks, over the union, and every rank's part says so."""
+    gathered = plan(case.src, case.dst, case.sizes)
+    p = plan(case.src, case.dst, case.sizes, all_to_all=True)
+    assert all(not isinstance(s, Gather) or s is p.steps[-1] for s in p.steps)
+    check_received(p, case.sizes)
+    assert p.max_recv == gathered.max_recv
+    for rank in sorted(set(case.src.grid.ranks) | set(case.dst.grid.ranks)):
+        part = plan_for_rank(case.src, case.dst, case.sizes, rank=rank, all_to_all=True)
+        assert lower(part, rank) == lower(p, rank)

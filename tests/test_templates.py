@@ -77,6 +77,23 @@ def test_even_template_serves_other_multiples_of_its_granules(case: Case):
         assert not problems, (sizes, problems)
 
 
+@pytest.mark.parametrize("case", EVEN[::3] + COUNT_FREE[::2],
+                         ids=case_ids(EVEN[::3] + COUNT_FREE[::2]))
+def test_a_rank_s_template_is_the_whole_template_s_part(case: Case):
+    """What a bridge builds (its rank's parts of the template plans) lowers to the same
+    program as the whole template, with the same granules on every rank."""
+    whole = _template(case)
+    assert whole is not None
+    for rank in sorted(set(case.src.grid.ranks) | set(case.dst.grid.ranks)):
+        mine = Template.build(case.src, case.dst, case.sizes, 8, (), tuple(case.src.dims),
+                              rank=rank)
+        assert mine is not None and mine.granules == whole.granules
+        assert mine.variables == whole.variables
+        for a, b, sa, sb in ((mine.fwd, whole.fwd, mine.fwd_sym, whole.fwd_sym),
+                             (mine.bwd, whole.bwd, mine.bwd_sym, whole.bwd_sym)):
+            assert lowering.lower(a, rank, sa) == lowering.lower(b, rank, sb)
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if "uneven" in c.tags],
                          ids=case_ids([c for c in CASES if "uneven" in c.tags]))
 def test_uneven_cuts_give_no_template(case: Case):
