@@ -2,8 +2,7 @@
 
 ``Bridge(src, dst, sizes)`` is a :class:`Redistributor` (call it inside a traced or
 eager step; autograd carries the gradient back) that also offers the pipelined bridge's
-imperative calls. Every call is a collective over the union of the two grids, so both
-sides issue them in the same order:
+imperative calls:
 
 =====================================  =====================================
 src (sending) ranks                    dst (receiving) ranks
@@ -13,29 +12,54 @@ src (sending) ranks                    dst (receiving) ranks
 ``g = send_forward_recv_backward(x)``  ``y = send_backward_recv_forward(grad)``
 =====================================  =====================================
 
-The combined calls issue forward then backward (on src) and backward then forward (on
-dst): in a 1F1B schedule src's ``send_forward_recv_backward(out_i)`` pairs its forward
-with dst's ``send_backward_recv_forward(grad_{i-1})``'s forward, and its backward with
-the next such call's backward, so both sides see the same sequence
-``fwd_i, bwd_i, fwd_i+1, ...``. A rank on both grids runs both halves in one call.
+Each side issues its forwards in micro-batch order and its backwards in the order of
+their forwards, and nothing else needs to match: the calls may interleave differently
+on the two sides. Data between the grids travels over one point-to-point channel per
+direction (:mod:`.p2p`), so forwards pair with forwards and backwards with backwards
+whatever the schedule -- Megatron's 1F1B, where the source runs its warm-up forwards
+ahead (it issues ``F0, F1, B0, B1`` while the destination issues ``F0, B0, F1, B1``),
+interleaved 1F1B, GPipe. Collectives inside one grid (a reduction over the source's TP
+ranks, the destination's second-phase gathers) stay collectives: a grid's ranks run one
+schedule. A rank only ever waits for what it receives; its sends complete in the
+background (:meth:`Bridge.flush` waits for them). So a step that sends before it
+receives -- the combined calls do: ``send_forward_recv_backward`` forwards then
+receives, ``send_backward_recv_forward`` sends the gradient then receives -- cannot
+deadlock, also across several bridges (interleaved schedules: issue a step's sends
+first, then its receives).
 
 Sizes: on a bridge with free dims each forward learns its sizes (the receivers too:
-this is the pipelined bridge's shape exchange) or takes them from the call, and each
-backward runs at the sizes of the oldest forward whose backward has not run yet --
-backwards come in the order of their forwards, as in 1F1B and GPipe.
+this is the pipelined bridge's shape exchange, also point-to-point) or takes them from
+the call, and each backward runs at the sizes of the oldest forward whose backward has
+not run yet. A call posts every small row it sends (size rows; check headers in checked
+mode) before it waits for anything. The receiving side waits for every row; the sending
+side only for its own grid's (a stage never waits for one that may be behind it) and
+checks the receivers' rows as they arrive: a mistake still raises on every rank of both
+grids, on the senders at a later call of the bridge or at :meth:`Bridge.flush`.
+
+Every call returns None on a rank of neither grid. The imperative calls run eagerly
+(compile the stages' compute; or call the bridge itself inside a compiled step, which
+uses ordinary collectives). Bridges must be built in the same order on every rank (as
+every bridge: building one creates process groups).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterator
 
 import torch
 
 from mimo_fx.errors import MimoFxError
 
+from .comm import Comm
+from .executor import CompiledExecutor
+from .groups import acquire, check_timeout, process_group, release
+from .p2p import CHECKS, SIZES, Channel, Routed
 from .redistributor import Redistributor
 
 __all__ = ["Bridge"]
+
+_BUILT = [0]  # bridges built so far: the same count on every rank names their channels
 
 
 class Bridge(Redistributor):
@@ -44,67 +68,235 @@ class Bridge(Redistributor):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._in_flight: deque[dict] = deque()  # sizes of forwards awaiting their backward
+        self._deferred: list = []  # (gather, check): rows checked when they arrive
+        self._failed = False
+        _BUILT[0] += 1
+        src, dst = tuple(self.src.grid.ranks), tuple(self.dst.grid.ranks)
+        # one channel per direction, of this bridge alone (two bridges between the same
+        # grids, as interleaved schedules have, never pair each other's messages)
+        self._tags = ((f"p2p{_BUILT[0]}:forward", f"p2p{_BUILT[0]}:backward")
+                      if set(src) != set(dst) else ())
+        for tag in self._tags:
+            acquire([self.union], tag)
+        self._channels: tuple[Channel, ...] = ()
+        self._pipe: tuple[CompiledExecutor, ...] = ()
+        if self.involved:
+            local = self.executor.comm
+            if self._tags:
+                self._channels = tuple(Channel(process_group(self.union, t), self.rank)
+                                       for t in self._tags)
+                comms: list[Comm] = [Routed(local, c, src, dst) for c in self._channels]
+            else:  # one grid: a collective pairs calls its ranks all issue alike
+                comms = [local, local]
+            self._pipe = tuple(CompiledExecutor(c, self.executor.comm_dtype) for c in comms)
 
-    def _run(self, program, tensor: torch.Tensor, env) -> torch.Tensor:
-        variables = self.template.variables if self.template is not None else ()
-        with torch.no_grad():
-            (out,) = self.executor.run(program, (tensor,),
-                                       None if env is None else dict(zip(variables, env)))
+    # -- one direction ------------------------------------------------------------------
+    def _gather_rows(self, direction: int, row: torch.Tensor, kind: int):
+        """Post this rank's ``row`` to every rank of both grids (over the direction's
+        channel, or the check group on one grid); returns ``(rows, ranks, rest)``: a wait
+        for the rows this rank needs before it moves data, whose ranks they are, and the
+        posted gather whose other rows are checked as they arrive (None: no others).
+
+        A rank receiving in this direction needs every row; a sender only its own grid's
+        (sizes come from the senders' shapes): it never waits for a stage that may be
+        behind it, which is what keeps checked and learned calls deadlock-free in any
+        schedule."""
+        union = self.union
+        if not self._channels:
+            assert self._check_comm is not None
+            comm = self._check_comm
+            return (lambda: self._waited(lambda: comm.all_gather(row, union), kind)
+                    .view(len(union), -1)), union, None
+        gathered = self._channels[direction].start_gather(row, union, kind)
+        receivers = (self.dst if direction == 0 else self.src).grid.ranks
+        senders = (self.src if direction == 0 else self.dst).grid.ranks
+        now = union if self.rank in receivers else tuple(r for r in union if r in senders)
+        index = [union.index(r) for r in now]
+
+        def rows() -> torch.Tensor:
+            return self._waited(lambda: gathered.wait(now), kind)[index]
+        return rows, now, (gathered if now != union else None)
+
+    def _waited(self, wait: Callable, kind: int):
+        try:
+            return wait()
+        except RuntimeError as err:  # a timeout, or a peer gone
+            raise MimoFxError(
+                self._context() + f"rank {self.rank} waited in vain for the other ranks' "
+                f"{'size rows' if kind == SIZES else 'check headers'} "
+                f"({err.__class__.__name__}: {str(err).splitlines()[0][:200]}); every rank "
+                f"of both grids makes the same calls in the same order "
+                f"(MIMO_FX_CHECK_TIMEOUT={check_timeout():g} s)") from None
+
+    def _later(self, rest, check: Callable[[torch.Tensor], None]) -> None:
+        """Check the rest of a gather's rows when they have arrived."""
+        if rest is not None:
+            self._deferred.append((rest, check))
+
+    def _settle_checks(self, wait: bool = False) -> None:
+        """Run the deferred checks whose rows arrived (all, waiting, with ``wait``)."""
+        keep = []
+        for rest, check in self._deferred:
+            if wait:
+                self._waited(rest.wait, CHECKS)
+            if wait or rest.done():
+                check(rest.out)
+            else:
+                keep.append((rest, check))
+        self._deferred = keep
+
+    def _run(self, direction: int, program, tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            with torch.no_grad():
+                (out,) = self._pipe[direction].run(program, (tensor,))
+        except RuntimeError as err:
+            raise MimoFxError(
+                self._context() + f"rank {self.rank}: the {('forward', 'backward')[direction]} "
+                f"transfer failed ({err.__class__.__name__}: "
+                f"{str(err).splitlines()[0][:200]}); every rank of both grids makes the "
+                f"same calls in the same order") from None
         return out
 
-    def _forward(self, x: torch.Tensor | None, sizes: dict | None = None) -> torch.Tensor:
-        """Validate ``x`` (this rank's src piece or None) and run the forward program."""
-        self._assert_live()
-        full, learned = (self._call_sizes(x, sizes, {}) if self.free
-                         else (self.fixed, frozenset()))
-        fwd, _, env = self._programs(full, learned, x)
-        self._guard(x, "src", fwd, env, full)
+    def _forward(self, x: torch.Tensor | None, sizes: dict | None) -> Iterator:
+        """A forward in two steps: post its rows (``yield``), then validate ``x`` (this
+        rank's src piece or None) and run the forward program (``yield`` the result)."""
+        given = self._given(sizes, {})
+        full = {**self.fixed, **given}
+        missing = [d for d in self.free if d not in given]
+        if missing:  # the size rows also check the call (learn_sizes)
+            rows, now, rest = self._gather_rows(0, self._size_row(x), SIZES)
+        elif self.checked:
+            fwd = self._programs(full, frozenset())[0]
+            header, print_ = self._header(x, "src", fwd.src_shape, full)
+            rows, now, rest = self._gather_rows(0, header, CHECKS)
+        yield None
+        if missing:
+            known = full
+            full = self._sizes_from(rows(), known, now)
+            self._later(rest, lambda got: self._same_sizes(got, known, full))
+        fwd = self._programs(full, frozenset(missing))[0]
+        if self.checked and not missing:
+            self._verdict(rows(), "src", print_, full, now)
+            self._later(rest, lambda got: self._verdict(got, "src", print_, full))
+        else:
+            self._guard_local(x, "src", fwd.src_shape, full)
         if self.free:
             self._in_flight.append(full)
         x = self._placeholder(len(self.src.local_dims)) if x is None else x.detach()
-        return self._run(fwd, x, env)
+        yield self._run(0, fwd, x)
 
-    def _backward(self, grad: torch.Tensor | None) -> torch.Tensor:
-        """Validate ``grad`` (this rank's dst cotangent or None) and run the adjoint at the
-        sizes of the oldest forward still waiting for it."""
-        self._assert_live()
-        if self.free and not self._in_flight:
+    def _same_sizes(self, rows: torch.Tensor, known: dict, learned: dict) -> None:
+        if self._sizes_from(rows, known) != learned:  # (its own errors name the rank)
+            raise MimoFxError(self._context() + "the receivers' size rows disagree with the "
+                              "sizes the senders learned")
+
+    def _backward(self, grad: torch.Tensor | None, after_forward: bool = False) -> Iterator:
+        """A backward in two steps, at the sizes of the oldest forward still waiting for
+        it (``grad``: this rank's dst cotangent or None; ``after_forward``: a forward
+        runs before it in the same call)."""
+        if self.free and not self._in_flight and not after_forward:
             raise MimoFxError(self._context() + f"rank {self.rank}: a backward with no "
                               f"forward waiting for it; every backward follows its forward")
+        posted = None
+        if self.checked and (self._in_flight or not self.free):
+            posted = self._backward_header(grad)
+        yield None
         full = self._in_flight.popleft() if self.free else self.fixed
-        _, bwd, env = self._programs(full, frozenset())
-        self._guard(grad, "dst", bwd, env, full)
+        if self.checked and posted is None:  # its forward ran in this very call
+            posted = self._backward_header(grad, full)
+        bwd = self._programs(full, frozenset())[1]
+        if posted is not None:
+            (rows, now, rest), print_ = posted
+            self._verdict(rows(), "dst", print_, full, now)
+            self._later(rest, lambda got: self._verdict(got, "dst", print_, full))
+        else:
+            self._guard_local(grad, "dst", bwd.src_shape, full)
         grad = self._placeholder(len(self.dst.local_dims)) if grad is None else grad.detach()
-        return self._run(bwd, grad, env)
+        yield self._run(1, bwd, grad)
 
-    def send_forward(self, x: torch.Tensor | None, sizes: dict | None = None) -> torch.Tensor:
+    def _backward_header(self, grad, full: dict | None = None) -> tuple:
+        if full is None:
+            full = self._in_flight[0] if self.free else self.fixed
+        bwd = self._programs(full, frozenset())[1]
+        header, print_ = self._header(grad, "dst", bwd.src_shape, full)
+        return self._gather_rows(1, header, CHECKS), print_
+
+    def _calls(self, *halves: tuple) -> list[torch.Tensor | None]:
+        """Run ``("forward", x, sizes)`` / ``("backward", grad)`` halves in order, every
+        half's rows posted before any half waits."""
+        self._assert_live()
+        if torch.compiler.is_compiling():
+            raise MimoFxError(self._context() + "the imperative send/recv calls run eagerly; "
+                              "compile the stages' compute around them, or call the bridge "
+                              "itself (bridge(x)) inside a compiled step")
+        if not self.involved:
+            return [None] * len(halves)
+        self._settle_checks()
+        steps = [self._forward(h[1], h[2]) if h[0] == "forward"
+                 else self._backward(h[1], any(g[0] == "forward" for g in halves[:i]))
+                 for i, h in enumerate(halves)]
+        try:
+            for step in steps:
+                next(step)
+            return [next(step) for step in steps]
+        except MimoFxError:
+            self._failed = True  # its peers may never take what it sent: destroy won't wait
+            raise
+
+    # -- the calls ----------------------------------------------------------------------
+    def send_forward(self, x: torch.Tensor | None,
+                     sizes: dict | None = None) -> torch.Tensor | None:
         """Send this rank's src piece; returns what it receives under dst (often empty)."""
-        return self._forward(x, sizes)
+        return self._calls(("forward", x, sizes))[0]
 
     def recv_forward(self, x: torch.Tensor | None = None,
-                     sizes: dict | None = None) -> torch.Tensor:
+                     sizes: dict | None = None) -> torch.Tensor | None:
         """This rank's dst piece, as a leaf that requires grad (a stage input)."""
-        y = self._forward(x, sizes)
-        return y.requires_grad_(torch.is_floating_point(y))
+        y = self._calls(("forward", x, sizes))[0]
+        return y if y is None else y.requires_grad_(torch.is_floating_point(y))
 
-    def send_backward(self, grad: torch.Tensor | None) -> torch.Tensor:
+    def send_backward(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Send the gradient of this rank's dst piece; returns its src gradient if any."""
-        return self._backward(grad)
+        return self._calls(("backward", grad))[0]
 
-    def recv_backward(self, grad: torch.Tensor | None = None) -> torch.Tensor:
+    def recv_backward(self, grad: torch.Tensor | None = None) -> torch.Tensor | None:
         """The gradient of this rank's src piece (``shard(G, src*)``)."""
-        return self._backward(grad)
+        return self._calls(("backward", grad))[0]
 
     def send_forward_recv_backward(self, x: torch.Tensor | None,
                                    grad: torch.Tensor | None = None,
-                                   sizes: dict | None = None) -> torch.Tensor:
-        """Forward ``x``, then receive its gradient (src side of a 1F1B step)."""
-        self._forward(x, sizes)
-        return self._backward(grad)
+                                   sizes: dict | None = None) -> torch.Tensor | None:
+        """Forward ``x``, then receive the gradient of the oldest forward still waiting
+        for one (src side of a 1F1B step)."""
+        return self._calls(("forward", x, sizes), ("backward", grad))[1]
 
     def send_backward_recv_forward(self, grad: torch.Tensor | None,
                                    x: torch.Tensor | None = None,
-                                   sizes: dict | None = None) -> torch.Tensor:
+                                   sizes: dict | None = None) -> torch.Tensor | None:
         """Send ``grad`` back, then receive the next activation (dst side of a 1F1B step)."""
-        self._backward(grad)
-        return self.recv_forward(x, sizes)
+        y = self._calls(("backward", grad), ("forward", x, sizes))[1]
+        return y if y is None else y.requires_grad_(torch.is_floating_point(y))
+
+    def flush(self) -> None:
+        """Wait until every send of this rank was received and every row it was sent
+        arrived and was checked (e.g. at the end of a step)."""
+        try:
+            self._settle_checks(wait=True)
+        except MimoFxError:
+            self._failed = True
+            raise
+        for channel in self._channels:
+            channel.settle(wait=True)
+
+    def destroy(self) -> None:
+        """Release this bridge's process groups, after its sends were received (unless a
+        call of it failed: then its channels are left alive with what it sent, since
+        destroying them would wait for receivers that will never come). Call it on
+        every rank."""
+        if self._live:
+            if not self._failed:
+                self.flush()
+            for tag in self._tags:
+                release([self.union], tag, abandon=self._failed)
+            self._channels = ()
+        super().destroy()

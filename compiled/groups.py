@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from mimo_fx.errors import MimoFxError
 
-__all__ = ["acquire", "release", "group_name", "live_groups", "world_token",
+__all__ = ["acquire", "release", "group_name", "process_group", "live_groups", "world_token",
            "check_world", "CHECK", "check_timeout"]
 
 CHECK = "check"  # the tag of check groups
@@ -38,6 +38,7 @@ CHECK = "check"  # the tag of check groups
 Ranks = tuple[int, ...]
 _GROUPS: dict[tuple[str, Ranks], list] = {}  # (tag, ranks) -> [ProcessGroup, references]
 _RETIRED: list = []                            # destroyed, kept until the next new_group
+_ABANDONED: list = []                          # forgotten with sends in flight, never destroyed
 _WORLD: list = [None]                          # the default group the registry serves
 
 
@@ -79,7 +80,9 @@ def check_timeout() -> float:
 
 
 def _timeout(tag: str) -> timedelta | None:
-    return timedelta(seconds=check_timeout()) if tag == CHECK else None
+    # check groups, and a pipelined bridge's channels (tags "p2p..."): a peer that never
+    # comes is an error after MIMO_FX_CHECK_TIMEOUT, not a wait of gloo's default 30 min
+    return timedelta(seconds=check_timeout()) if tag == CHECK or tag.startswith("p2p") else None
 
 
 def acquire(groups: Iterable[Ranks], tag: str = "") -> None:
@@ -102,8 +105,10 @@ def acquire(groups: Iterable[Ranks], tag: str = "") -> None:
         _GROUPS[tag, ranks] = [pg, 1]
 
 
-def release(groups: Iterable[Ranks], tag: str = "") -> None:
-    """Drop one reference to each group; destroy groups nobody uses any more."""
+def release(groups: Iterable[Ranks], tag: str = "", abandon: bool = False) -> None:
+    """Drop one reference to each group; destroy groups nobody uses any more. With
+    ``abandon`` (a group with sends its peers will never take: destroying it would wait
+    for them) the group is forgotten but kept alive instead."""
     for ranks in groups:
         entry = _GROUPS.get((tag, ranks))
         if entry is None:
@@ -111,7 +116,9 @@ def release(groups: Iterable[Ranks], tag: str = "") -> None:
         entry[1] -= 1
         if entry[1] == 0:
             pg = _GROUPS.pop((tag, ranks))[0]
-            if pg is not dist.group.WORLD and _WORLD[0] is world_token() is not None:
+            if abandon:
+                _ABANDONED.append(pg)
+            elif pg is not dist.group.WORLD and _WORLD[0] is world_token() is not None:
                 if isinstance(pg, dist.ProcessGroup):  # not on non-members
                     dist.destroy_process_group(pg)
                 _RETIRED.append(pg)
@@ -129,6 +136,12 @@ def group_name(ranks: Ranks, tag: str = "") -> str:
             f"every rank first"
         )
     return entry[0].group_name
+
+
+def process_group(ranks: Ranks, tag: str = ""):
+    """The prepared group itself (for point-to-point calls, which take a group object)."""
+    group_name(ranks, tag)  # the error if it is not prepared
+    return _GROUPS[tag, ranks][0]
 
 
 def live_groups() -> int:

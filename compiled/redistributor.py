@@ -237,8 +237,7 @@ class Redistributor:
     def _learn(self, x, known: dict) -> dict:
         """The exchange: every rank's shape row, then every size from them."""
         assert self._check_comm is not None
-        ndim = len(self.src.local_dims)
-        row = int_tensor(Row.encode(x, ndim, self._prints["src"]), self.device)
+        row = self._size_row(x)
         try:
             rows = self._check_comm.all_gather(row, self.union).view(len(self.union), -1)
         except RuntimeError as err:  # gloo/NCCL timeout or a peer gone
@@ -247,8 +246,17 @@ class Redistributor:
                 f"row ({err.__class__.__name__}: {str(err).splitlines()[0][:200]}). Every "
                 f"rank of both grids calls the bridge, giving the same set of sizes "
                 f"(MIMO_FX_CHECK_TIMEOUT={check_timeout():g} s)") from None
-        return learn_sizes(rows.tolist(), self.union, self.src, known, self._prints["src"],
-                           self.dtype, self._context())
+        return self._sizes_from(rows, known)
+
+    def _size_row(self, x) -> torch.Tensor:
+        """This rank's row of the size exchange (see :mod:`.learn`)."""
+        return int_tensor(Row.encode(x, len(self.src.local_dims), self._prints["src"]),
+                          self.device)
+
+    def _sizes_from(self, rows: torch.Tensor, known: dict, ranks=None) -> dict:
+        """Every size from the rows of ``ranks`` (default: both grids'), ``known`` first."""
+        return learn_sizes(rows.tolist(), ranks or self.union, self.src, known,
+                           self._prints["src"], self.dtype, self._context())
 
     def _programs(self, full: dict, learned: frozenset,
                   x=None) -> tuple[Any, Any, tuple | None]:
@@ -391,17 +399,10 @@ class Redistributor:
         if torch.compiler.is_compiling():
             self._guard_traced(x, side, shape, full)
             return
-        code = inspect(x, Expect(shape, self.dtype, self.device, ""))
         if self._check_comm is None or not self.checked:
-            if code != OK:
-                expect = self._expect(side, self.rank, full)
-                raise MimoFxError(self._context() + problem_text(
-                    code, self.rank, expect, _described(x), getattr(x, "dtype", None),
-                    getattr(x, "device", None)))
+            self._guard_local(x, side, shape, full)
             return
-        print_ = self._prints[side] if not self.free else fingerprint(
-            side, *self._key, _size_key(full))
-        mine = int_tensor(Header.encode(x, code, print_), self.device)
+        mine, print_ = self._header(x, side, shape, full)
         try:
             rows = self._check_comm.all_gather(mine, self.union).view(-1, HEADER_LEN)
         except RuntimeError as err:  # gloo/NCCL timeout or a peer gone
@@ -411,8 +412,31 @@ class Redistributor:
                 f"called this bridge with checked=False, called another bridge or "
                 f"collective, or left; every rank must make the same checked call "
                 f"(MIMO_FX_CHECK_TIMEOUT={check_timeout():g} s)") from None
-        problems = Header.problems(rows.tolist(), self.union, print_,
-                                   {r: self._expect(side, r, full) for r in self.union})
+        self._verdict(rows, side, print_, full)
+
+    def _guard_local(self, x, side: str, shape, full: dict) -> None:
+        """Raise on this rank if ``x`` is not its ``side`` tensor of local ``shape``."""
+        code = inspect(x, Expect(shape, self.dtype, self.device, ""))
+        if code != OK:
+            expect = self._expect(side, self.rank, full)
+            raise MimoFxError(self._context() + problem_text(
+                code, self.rank, expect, _described(x), getattr(x, "dtype", None),
+                getattr(x, "device", None)))
+
+    def _header(self, x, side: str, shape, full: dict) -> tuple[torch.Tensor, int]:
+        """This rank's check header for ``x`` (see :mod:`.guard`), and the call's print."""
+        code = inspect(x, Expect(shape, self.dtype, self.device, ""))
+        print_ = self._prints[side] if not self.free else fingerprint(
+            side, *self._key, _size_key(full))
+        return int_tensor(Header.encode(x, code, print_), self.device), print_
+
+    def _verdict(self, rows: torch.Tensor, side: str, print_: int, full: dict,
+                 ranks=None) -> None:
+        """Raise, the same on every rank, if the header of any rank of ``ranks`` (default:
+        both grids') shows a problem."""
+        ranks = ranks or self.union
+        problems = Header.problems(rows.view(-1, HEADER_LEN).tolist(), ranks, print_,
+                                   {r: self._expect(side, r, full) for r in ranks})
         if problems:
             raise MimoFxError(self._context() + "the call does not match on every rank:\n  "
                               + "\n  ".join(problems))

@@ -1,0 +1,177 @@
+"""Point-to-point channels: how a pipelined bridge moves data between two stages.
+
+A collective pairs the n-th call of every member, so two stages may only share one if
+they issue their forwards and backwards in the same interleaving. Pipeline schedules do
+not: in 1F1B the first stage runs warm-up forwards ahead of the last, so one side issues
+``F0, F1, B0`` while the other issues ``F0, B0, F1``. Point-to-point messages pair per
+sender, receiver and channel instead, in the order each side posts them; so a
+:class:`Bridge <.bridge.Bridge>` gives each direction its own :class:`Channel` (a process
+group of its own, and a gloo tag per kind of message), and forwards pair with forwards,
+backwards with backwards, whatever the interleaving.
+
+A :class:`Channel` offers the four collectives of the comm seam (:class:`~.comm.Comm`)
+built from ``isend``/``irecv``, which is what lets a lowered program run unchanged over
+it. Receives are waited for before a collective returns (its output is needed); sends
+are not: they complete in the background, and the channel keeps each sent buffer until
+its receiver took it (:meth:`Channel.settle`). That is what makes a step that sends and
+then receives deadlock-free for any schedule whose data dependencies are: a rank never
+waits for its own sends, only for what its peers send before they wait in turn.
+
+:class:`Routed` gives a program the channel for the collectives whose group spans the
+two stages, and the ordinary collectives for groups inside one stage (a stage's ranks
+run the same schedule, so they issue those in the same order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .comm import Comm
+
+__all__ = ["Channel", "Gathered", "Routed", "DATA", "SIZES", "CHECKS"]
+
+Ranks = tuple[int, ...]
+# the kinds of message a channel carries: gloo pairs a receive with the oldest send of
+# the same tag from that sender (NCCL ignores tags: there the posting order, the same on
+# both sides, pairs them)
+DATA, SIZES, CHECKS = 0, 1, 2
+
+
+class Channel:
+    """Point-to-point collectives of one direction of a bridge, over ``group``."""
+
+    def __init__(self, group, rank: int) -> None:
+        self.group = group
+        self.rank = rank
+        self._sent: list[tuple[dist.Work, torch.Tensor]] = []
+
+    # -- messages -----------------------------------------------------------------------
+    def _send(self, piece: torch.Tensor, peer: int, tag: int) -> None:
+        piece = piece.contiguous()
+        work = dist.isend(piece, dst=peer, group=self.group, tag=tag)
+        assert work is not None  # (None only off the group)
+        self._sent.append((work, piece))
+
+    def _recv(self, into: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        work = dist.irecv(into, src=peer, group=self.group, tag=tag)
+        assert work is not None
+        return work
+
+    def settle(self, wait: bool = False) -> int:
+        """Forget the sends their receivers took (all of them, waiting, with ``wait``);
+        returns how many are still in flight."""
+        if wait:
+            for work, _ in self._sent:
+                work.wait()
+            self._sent.clear()
+        else:
+            self._sent = [(w, t) for w, t in self._sent if not w.is_completed()]
+        return len(self._sent)
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
+                 recvs: Sequence[tuple[int, torch.Tensor]], tag: int = DATA) -> list:
+        """Post ``sends`` and ``recvs`` (``(peer, tensor)``; a peer equal to this rank is
+        a local copy); returns the receives' works (wait on them)."""
+        works = []
+        local = {p: t for p, t in sends if p == self.rank}
+        for peer, piece in sends:
+            if peer != self.rank:
+                self._send(piece, peer, tag)
+        for peer, into in recvs:
+            if peer == self.rank:
+                into.copy_(local[peer])
+            else:
+                works.append(self._recv(into, peer, tag))
+        self.settle()
+        return works
+
+    # -- the comm seam ------------------------------------------------------------------
+    def all_to_all(self, flat: torch.Tensor, out_splits: Sequence[int],
+                   in_splits: Sequence[int], ranks: Ranks) -> torch.Tensor:
+        out = flat.new_empty(sum(out_splits))
+        sends, recvs = [], []
+        at = 0
+        for peer, n in zip(ranks, in_splits):
+            if n:
+                sends.append((peer, flat[at:at + n]))
+            at += n
+        at = 0
+        for peer, n in zip(ranks, out_splits):
+            if n:
+                recvs.append((peer, out[at:at + n]))
+            at += n
+        for work in self.exchange(sends, recvs):
+            work.wait()
+        return out
+
+    def all_gather(self, flat: torch.Tensor, ranks: Ranks, tag: int = DATA) -> torch.Tensor:
+        return self.start_gather(flat, ranks, tag).wait().view(-1)
+
+    def start_gather(self, flat: torch.Tensor, ranks: Ranks, tag: int = DATA) -> Gathered:
+        """Post an all-gather of ``flat`` over ``ranks``; its rows arrive in the
+        background (:class:`Gathered`)."""
+        out = flat.new_empty((len(ranks), flat.numel()))
+        others = [p for p in ranks if p != self.rank]
+        works = self.exchange([(p, flat) for p in ranks],
+                              [(p, out[i]) for i, p in enumerate(ranks)], tag)
+        return Gathered(out, dict(zip(others, works)), ranks)
+
+    def all_reduce(self, flat: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+        return self.all_gather(flat, ranks).view(len(ranks), -1).sum(0)
+
+    def reduce_scatter(self, flat: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+        n = flat.numel() // len(ranks)
+        got = self.all_to_all(flat, [n] * len(ranks), [n] * len(ranks), ranks)
+        return got.view(len(ranks), n).sum(0)
+
+
+class Gathered:
+    """The rows of a posted all-gather, one per rank of ``ranks``, as they arrive."""
+
+    def __init__(self, out: torch.Tensor, works: dict, ranks: Ranks) -> None:
+        self.out, self.works, self.ranks = out, works, ranks
+
+    def wait(self, peers: Ranks | None = None) -> torch.Tensor:
+        """Wait for the rows of ``peers`` (default: all); returns every row (rows not
+        waited for are not there yet)."""
+        for peer in self.ranks if peers is None else peers:
+            work = self.works.pop(peer, None)
+            if work is not None:
+                work.wait()
+        return self.out
+
+    def done(self) -> bool:
+        """Whether every row arrived (never waits)."""
+        self.works = {p: w for p, w in self.works.items() if not w.is_completed()}
+        return not self.works
+
+
+class Routed:
+    """A comm that issues a group's collective over ``channel`` when the group spans
+    both stages (neither ``src`` nor ``dst`` holds all of it), else over ``local``."""
+
+    def __init__(self, local: Comm, channel: Channel, src: Ranks, dst: Ranks) -> None:
+        self.local, self.channel = local, channel
+        self._src, self._dst = frozenset(src), frozenset(dst)
+
+    def _comm(self, ranks: Ranks) -> Comm:
+        members = set(ranks)
+        if members <= self._src or members <= self._dst:
+            return self.local
+        return self.channel
+
+    def all_gather(self, flat: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+        return self._comm(ranks).all_gather(flat, ranks)
+
+    def reduce_scatter(self, flat: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+        return self._comm(ranks).reduce_scatter(flat, ranks)
+
+    def all_reduce(self, flat: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+        return self._comm(ranks).all_reduce(flat, ranks)
+
+    def all_to_all(self, flat: torch.Tensor, out_splits: Sequence[int],
+                   in_splits: Sequence[int], ranks: Ranks) -> torch.Tensor:
+        return self._comm(ranks).all_to_all(flat, out_splits, in_splits, ranks)
