@@ -410,7 +410,8 @@ class TiedGrads:
     Args:
         grid: the pipelined module's grid (axis ``pp``; without it, or with pp=1, the
             first stage is the last and there is nothing to sum).
-        params: this rank's tied parameters -- on a first or last stage the same number,
+        params: this rank's tied parameters (``nn.Parameter`` s, such as
+            ``embedding.weight``) -- on a first or last stage the same number,
             shapes and dtypes in the same order on both; ``None`` on middle stages and
             off the grid.
 
@@ -421,7 +422,7 @@ class TiedGrads:
     """
 
     def __init__(self, grid: Grid,
-                 params: nn.Parameter | Sequence[nn.Parameter] | None) -> None:
+                 params: torch.Tensor | Sequence[torch.Tensor] | None) -> None:
         self.rank = _rank("TiedGrads")
         error, mine, config = None, None, None
         try:
