@@ -30,7 +30,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from mimo_fx import Grid, MimoFxError
-from mimo_fx.mimo import GradSync, TiedGrads, data_axes, embedding_groups, is_first_stage
+from mimo_fx.mimo import (
+    GradSync,
+    MimoParallelism,
+    ModuleParallelism,
+    TiedGrads,
+    data_axes,
+    embedding_groups,
+    is_first_stage,
+)
 from mimo_fx.testing import run_world
 
 WORLD = 8
@@ -126,13 +134,19 @@ def _step(rank: int, grids: dict[str, Grid], modules: dict[str, nn.Module],
             ((y - t_llm[r][:, pos]) ** 2).sum().div(tokens).backward()
 
 
-def _two_modules(rank: int, grids: dict[str, Grid], **options) -> str | None:
+def _two_modules(rank: int, grids: dict[str, Grid], config: MimoParallelism | None = None,
+                 **options) -> str | None:
     """Both modules stepped and synchronised; problems against the oracle, or None."""
     from mimo_fx.compiled import trace
 
     enc, llm = _models()
     modules = {"enc": enc, "llm": llm}  # given on every rank: ignored outside the grid
-    sync = GradSync({n: (m, grids[n]) for n, m in modules.items()}, **options)
+    if config is None:
+        sync = GradSync({n: (m, grids[n]) for n, m in modules.items()}, **options)
+    else:
+        grids = config.grids()
+        sync = GradSync.from_config(config, {n: m for n, m in modules.items()
+                                             if rank in grids[n]}, **options)
     _step(rank, grids, modules)
     start = trace.mark()
     sync.sync()
@@ -153,6 +167,8 @@ def _two_modules(rank: int, grids: dict[str, Grid], **options) -> str | None:
 
 DISJOINT = {"enc": Grid(dp=4), "llm": Grid(cp=2, dp=2, offset=4)}
 COLOCATED = {"enc": Grid(dp=4), "llm": Grid(cp=2, dp=2)}
+CONFIG = MimoParallelism(world_size=WORLD, modules={
+    "enc": ModuleParallelism(dp=4), "llm": ModuleParallelism(cp=2, dp=2, offset=4)})
 
 
 # -- tied embeddings ------------------------------------------------------------------
@@ -243,7 +259,7 @@ def _tied_step(rank, stage, first, tokens, targets) -> None:
 
 # -- mistakes: each raises on every rank ---------------------------------------------
 def _mistakes(rank: int) -> dict[str, str]:
-    enc = Encoder()
+    enc, llm = Encoder(), Llm()
     other = Encoder(hidden=H + 1) if rank == 3 else Encoder()
     weight = nn.Parameter(torch.zeros(V, H))
     cases = {
@@ -258,6 +274,9 @@ def _mistakes(rank: int) -> dict[str, str]:
                                            axes=("dp",) if rank == 5 else ("dp", "cp")),
         "shared_param": lambda: GradSync({"a": (enc, Grid(dp=4)), "b": (enc, Grid(dp=4))}),
         "bucket_numel": lambda: GradSync({"enc": (enc, Grid(dp=4))}, bucket_numel=0),
+        "not_in_config": lambda: GradSync.from_config(CONFIG, {"enc": enc} if rank < 4 else
+                                                      {"llm": llm, "vision": enc} if rank == 6
+                                                      else {"llm": llm}),
         "tied_missing": lambda: TiedGrads(TIED_GRID, weight if rank in (0, 2, 3) else None),
         "tied_middle": lambda: TiedGrads(Grid(pp=3), weight if rank < 3 else None),
         "tied_off_grid": lambda: TiedGrads(TIED_GRID, weight),
@@ -291,6 +310,8 @@ MISTAKES = {
                       r"the same GradSync",
     "shared_param": r"parameter b.gain is also a.gain: one parameter in two modules",
     "bucket_numel": r"bucket_numel=0 must be a positive integer",
+    "not_in_config": r"GradSync on rank 6: modules \['vision'\] are not in the config, whose "
+                     r"modules are \['enc', 'llm'\]",
     "tied_missing": r"TiedGrads on rank 1: rank 1 is the first or last stage of "
                     r"Grid\(pp=2, dp=2\), so it must pass its tied weights",
     "tied_middle": r"TiedGrads on rank 1: rank 1 is stage 1 of 3, neither first nor last",
@@ -390,6 +411,7 @@ def _world(rank: int, world: int) -> dict:
     checks = {
         "mistakes": lambda: _mistakes(rank),  # first: a mistake must not wedge the world
         "disjoint": lambda: _two_modules(rank, DISJOINT),
+        "from_config": lambda: _two_modules(rank, DISJOINT, config=CONFIG),
         "colocated": lambda: _two_modules(rank, COLOCATED),
         "small_buckets": lambda: _two_modules(rank, DISJOINT, bucket_numel=40),
         "dp_only": lambda: _two_modules(rank, {"enc": Grid(dp=4), "llm": Grid(cp=1, dp=4)},
@@ -412,8 +434,8 @@ def results():
     return run_world(WORLD, _world, timeout=300, record=True)
 
 
-@pytest.mark.parametrize("check", ["disjoint", "colocated", "small_buckets", "dp_only",
-                                   "tied", "example"])
+@pytest.mark.parametrize("check", ["disjoint", "from_config", "colocated", "small_buckets",
+                                   "dp_only", "tied", "example"])
 def test_gradients_equal_the_undistributed_model(results, check):
     problems = {rank: r[check] for rank, r in enumerate(results) if r[check] is not None}
     assert not problems, problems

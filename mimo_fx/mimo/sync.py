@@ -317,9 +317,11 @@ class GradSync:
         """The grids from a MIMO config; ``modules`` maps its module names to this rank's
         modules (``None`` or absent where the rank does not run one)."""
         unknown = sorted(set(modules) - set(config.modules))
-        if unknown:
-            raise MimoFxError(f"modules {unknown} are not in the config, whose modules are "
-                              f"{list(config.modules)}")
+        if unknown:  # raised on every rank: the others are in GradSync's exchange
+            _rank("GradSync")
+            _agree("GradSync", _exchange({
+                "error": f"modules {unknown} are not in the config, whose modules are "
+                         f"{list(config.modules)}", "config": None, "sigs": {}}))
         return cls({n: (modules.get(n), g) for n, g in config.grids().items()}, axes,
                    bucket_numel=bucket_numel)
 
@@ -330,7 +332,8 @@ class GradSync:
 
     def sync(self) -> None:
         """Sum the gradients of every module this rank runs over the module's data axes;
-        a ``None`` gradient counts as zeros and is set."""
+        a ``None`` gradient counts as zeros and is set. Once per step: a second call
+        would sum the sums."""
         self._sums.run()
         with torch.no_grad():  # modules without a data axis: None grads set to zeros too
             for name, params in self._local.items():
