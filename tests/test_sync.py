@@ -225,8 +225,9 @@ def _tied(rank: int) -> str | None:
     grads.sync()
     tied.sync()
     if stage is not None:
-        want = {"weight": full.weight.grad, "lin.weight": (full.first if first else full.last)
-                .weight.grad}
+        lin = full.first if first else full.last
+        want = {"weight": full.weight.grad, "lin.weight": lin.weight.grad,
+                "lin.bias": lin.bias.grad}
         for name, g in want.items():
             got = stage.get_parameter(name).grad
             if got is None or not torch.allclose(got, g, rtol=TOL, atol=TOL):
