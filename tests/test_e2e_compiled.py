@@ -6,7 +6,9 @@ variant (image and text lengths changing every step) run compiled
 (``torch.compile(fullgraph=True)``, aot_eager: a graph break would raise); fan-out and
 equal run eager. Every rank compares its synchronised gradients each step and its
 parameters at the end with the undistributed model's (``mimo_fx.mimo.e2e``); the
-variable variant compiles at most 2 graphs for every length.
+variable variant compiles at most 2 graphs for every length. The pp_1f1b variant trains
+4 micro-batches per step in Megatron's 1F1B over three stages with each stage's compute
+compiled by inductor, ``loss.backward()`` per micro-batch, one graph per stage.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from mimo_fx.mimo.e2e import TOLERANCE, Run, check, train_worker
 from mimo_fx.testing import run_world
 
 RUNS = [Run("colocated", steps=2), Run("pipelined", steps=2), Run("variable", steps=4),
-        Run("fan_out", steps=2, backend="eager"), Run("equal", steps=2, backend="eager")]
+        Run("fan_out", steps=2, backend="eager"), Run("equal", steps=2, backend="eager"),
+        Run("pp_1f1b", steps=3, backend="inductor")]
 
 
 @pytest.fixture(scope="module")
@@ -41,3 +44,8 @@ def test_variable_lengths_change_every_step_in_at_most_two_graphs(results):
     res = results["variable"]
     assert res["graphs"] <= 2, res["graphs"]
     assert len({row["bytes_max"] for row in res["rows"]}) > 1  # the lengths did change
+
+
+def test_pipelined_1f1b_stages_compile_once(results):
+    res = results["pp_1f1b"]
+    assert res["graphs"] == 1, res["graphs"]

@@ -10,7 +10,10 @@ undistributed model.
   grids: the bridge is a pipeline-stage transfer);
 - **variable**: the colocated layouts with text tokens after the image tokens, and
   both lengths changing every step (the LLM's sequence 16, 12, 16, 20 tokens); the
-  compiled step serves every length (one graph after Dynamo's first, static, one).
+  compiled step serves every length (one graph after Dynamo's first, static, one);
+- **pp_1f1b**: micro-batches in Megatron's 1F1B schedule over three stages -- encoder
+  DP2 on ranks 0-1, LLM stage 1 TP2 on ranks 2-3, LLM stage 2 DP4 on ranks 4-7 -- joined
+  by pipelined bridges, each stage's compute compiled (:mod:`mimo_fx.mimo.pipeline`).
 
 Each step is ``torch.func.grad_and_value`` of the SPMD loss on the process world
 (:class:`mimo_fx.compiled.world.ProcessWorld`), compiled with ``torch.compile`` (backend
@@ -101,6 +104,11 @@ def _train(rank: int, run: Run) -> dict:
     from mimo_fx.compiled.world import ProcessWorld
     from mimo_fx.reference import shard
 
+    if run.variant == "pp_1f1b":
+        from .pipeline import train_pipelined
+
+        say = print if run.progress and rank == 0 else None
+        return train_pipelined(rank, run.steps, run.backend, run.lr, say=say)
     mimo = VARIANTS[run.variant]
     if mimo.world_size != dist.get_world_size():
         raise MimoFxError(f"variant {run.variant!r} needs {mimo.world_size} ranks, the world "
@@ -266,6 +274,9 @@ def check(results: list[dict]) -> list[str]:
         if res["variant"] in LENGTHS and res["backend"] != "eager" and res["graphs"] > 2:
             failures.append(f"{res['variant']}: {res['graphs']} compiled graphs for changing "
                             f"lengths (at most 2: Dynamo's first is static)")
+        if res["variant"] == "pp_1f1b" and res["backend"] != "eager" and res["graphs"] > 1:
+            failures.append(f"pp_1f1b: a stage compiled {res['graphs']} graphs (one serves "
+                            f"every micro-batch and step)")
         name = res["variant"]
         if not res["param_diff"] <= TOLERANCE:
             failures.append(f"{name}: parameters differ from the undistributed model by "
@@ -280,9 +291,9 @@ def check(results: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mimo_fx.mimo.e2e", description=__doc__.split(
         "\n\n")[0])
-    parser.add_argument("--variant", action="append", choices=sorted(VARIANTS),
-                        help="layouts to train (repeatable; default: colocated, pipelined "
-                             "and variable)")
+    parser.add_argument("--variant", action="append", choices=sorted(VARIANTS) + ["pp_1f1b"],
+                        help="layouts to train (repeatable; default: colocated, pipelined, "
+                             "variable and pp_1f1b)")
     parser.add_argument("--steps", type=int, default=3, help="SGD steps (default 3)")
     parser.add_argument("--backend", default="aot_eager",
                         help="torch.compile backend (aot_eager, inductor) or 'eager'")
@@ -293,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps {args.steps}: need at least one step")
     from mimo_fx.testing import run_world
 
-    variants = args.variant or ["colocated", "pipelined", "variable"]
+    variants = args.variant or ["colocated", "pipelined", "variable", "pp_1f1b"]
     runs = [Run(v, steps=args.steps, backend=args.backend, progress=True) for v in variants]
     print(f"training the toy MIMO model on 8 gloo processes: {', '.join(variants)}; "
           f"{args.steps} steps, backend {args.backend} ...", flush=True)
