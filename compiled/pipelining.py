@@ -22,14 +22,23 @@ process group of P members exists and torch sends nothing itself: the stage's
 ``get_*_ops`` run the bridges and return no point-to-point ops.
 
 **The order of transfers.** A bridge call blocks until the peer grid makes the matching
-call, and both grids must make them in the same order. torch posts sends asynchronously
-and may pair a send with the next receive (1F1B pairs micro-batch i+w's forward send
-with micro-batch i's gradient receive on one side, and the same two transfers the other
-way round on the other). So a stage defers each send to this rank's next stage call
-and runs it first, except that a deferred gradient send waits for a forward receive
-that follows it: wherever torch pairs the two, both sides move the activation before
-the gradient. In 1F1B on two stages with four micro-batches both sides then issue
-``f0 f1 b0 f2 b1 f3 b2 b3``.
+call, and both grids must make them in the same order. torch's schedules post sends
+and receives asynchronously, in two styles:
+
+- Schedules over several stages per rank (``ScheduleInterleaved1F1B`` and the other
+  ``PipelineScheduleMulti`` schedules) lower their plan so that every rank posts the
+  transfers it shares with another rank in the same relative order. A stage runs each
+  transfer when torch asks for it.
+- Single-stage schedules (``ScheduleGPipe``, ``Schedule1F1B``) post a send together with
+  the next receive, and the two sides of a boundary pair the same two transfers in
+  opposite orders (1F1B: micro-batch i+w's activation and micro-batch i's gradient).
+  A stage defers each send to this rank's next stage call and runs it first, except
+  that a deferred gradient send waits for a forward receive of the same stage that
+  follows it: wherever torch pairs the two, both sides move the activation first. In
+  1F1B on two stages with four micro-batches both sides issue ``f0 f1 b0 f2 b1 f3 b2 b3``.
+
+torch tells a stage which style drives it only by the first style assigning each of its
+stages the stage -> pipeline rank map; a stage takes that assignment as the sign.
 
 **Sizes and metadata.** Every dim of every boundary has a fixed per-micro-batch size
 (``sizes=``), as torch's fixed receive buffers assume. Stage inputs and outputs are
@@ -195,17 +204,24 @@ def _check_sizes(boundaries: Sequence[Boundary], sizes) -> dict[str, int]:
 
 
 class _Outbox:
-    """This rank's deferred send (at most one), shared by all its stages: see the module
-    docstring, "The order of transfers"."""
+    """This rank's transfers, in the order both sides of each boundary make them (see
+    the module docstring, "The order of transfers"); shared by all stages of the rank.
+
+    ``in_order``: run every transfer when asked (schedules over several stages per rank);
+    else defer each send to the next stage call (single-stage schedules)."""
 
     def __init__(self) -> None:
+        self.in_order = False
         self._pending: tuple[Bridge, Direction, torch.Tensor] | None = None
 
-    def defer(self, bridge: Bridge, direction: Direction, tensor: torch.Tensor) -> None:
+    def send(self, bridge: Bridge, direction: Direction, tensor: torch.Tensor) -> None:
         self.flush()
         self._pending = (bridge, direction, tensor)
+        if self.in_order:
+            self.flush()
 
     def flush(self) -> None:
+        """Run the deferred send, if any."""
         if self._pending is None:
             return
         bridge, direction, tensor = self._pending
@@ -216,16 +232,16 @@ class _Outbox:
             bridge.send_backward(tensor)
 
     def receive(self, bridge: Bridge, direction: Direction) -> torch.Tensor:
-        if direction is Direction.FORWARD:
-            # a deferred gradient waits for the activation torch may pair it with
-            late = self._pending is not None and self._pending[1] is Direction.BACKWARD
-            if not late:
-                self.flush()
-            y = bridge.recv_forward()
+        if direction is Direction.BACKWARD:
             self.flush()
-            return y
+            return bridge.recv_backward()
+        # the same stage's deferred gradient waits for the activation torch pairs it with
+        pending = self._pending
+        if pending is None or pending[1] is Direction.FORWARD or pending[0] is not bridge:
+            self.flush()
+        y = bridge.recv_forward()
         self.flush()
-        return bridge.recv_backward()
+        return y
 
 
 # -- the pipeline ------------------------------------------------------------------------------
@@ -397,6 +413,19 @@ class BridgedStage(PipelineStage):
     def group_size(self, _world_value: int) -> None:
         pass
 
+    # schedules over several stages per rank assign each stage the stage -> pipeline rank
+    # map after construction (single-stage schedules never do): their transfers run in
+    # the order torch asks for them
+    @property
+    def stage_index_to_group_rank(self) -> dict[int, int]:
+        return self._stage_to_rank
+
+    @stage_index_to_group_rank.setter
+    def stage_index_to_group_rank(self, mapping: dict[int, int]) -> None:
+        if hasattr(self, "_stage_to_rank"):  # not the base class's own, at construction
+            self._pipe.outbox.in_order = True
+        self._stage_to_rank = mapping
+
     # -- set-up: shapes come from the layouts, nothing is exchanged -----------------------------
     def _warmup_forward_vote(self, has_backward: bool, received_acc=None) -> torch.Tensor:
         """Every stage's metadata is static (1): no vote crosses the pipeline."""
@@ -459,7 +488,7 @@ class BridgedStage(PipelineStage):
                 f"stage {self.stage_index} returned {len(output)} values "
                 f"({', '.join(type(o).__name__ for o in output)}); a stage before the last "
                 f"returns one tensor, its piece of {self._out.src.describe()!r}")
-        self._pipe.outbox.defer(self._out, Direction.FORWARD, output[0].detach())
+        self._pipe.outbox.send(self._out, Direction.FORWARD, output[0].detach())
         return []
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
@@ -482,7 +511,7 @@ class BridgedStage(PipelineStage):
             (meta,) = self._stage_meta.inputs or (None,)
             assert meta is not None
             grad = torch.zeros(meta.shape, dtype=meta.dtype, device=self.device)
-        self._pipe.outbox.defer(self._in, Direction.BACKWARD, grad)
+        self._pipe.outbox.send(self._in, Direction.BACKWARD, grad)
         return []
 
     # -- every other step of a schedule first runs the deferred send ----------------------------
