@@ -287,14 +287,16 @@ class BridgedPipeline:
             raise MimoFxError("BridgedPipeline needs torch.distributed initialised first "
                               "(torch.distributed.init_process_group)")
         self.rank = dist.get_rank()
-        self.bridges = tuple(
-            Bridge(b.src, b.dst, {d: self.sizes[d] for d in dict.fromkeys(b.src.dims
-                                                                         + b.dst.dims)},
-                   dtype, grad_partial=b.grad_partial, comm_dtype=comm_dtype,
-                   checked=checked, device=device)
-            for b in self.boundaries)
+        self._options = {"comm_dtype": comm_dtype, "checked": checked, "device": device}
+        self.bridges = tuple(self._make_bridge(b) for b in self.boundaries)
         self.device = self.bridges[0].device
         self.outbox = _Outbox()
+
+    def _make_bridge(self, boundary: Boundary) -> Bridge:
+        """The bridge of one boundary (built on every rank: it creates process groups)."""
+        dims = dict.fromkeys(boundary.src.dims + boundary.dst.dims)
+        return Bridge(boundary.src, boundary.dst, {d: self.sizes[d] for d in dims},
+                      self.dtype, grad_partial=boundary.grad_partial, **self._options)
 
     @property
     def num_stages(self) -> int:
@@ -388,8 +390,12 @@ class BridgedStage(PipelineStage):
             raise MimoFxError(f"rank {pipe.rank} is not on stage {index}'s grid "
                               f"({_span(pipe.stage_ranks[index])}); use pipe.stage(module)")
         self._pipe = pipe
+        last = index == pipe.num_stages - 1
+        # the bridges that bring this stage's input and take its output, and their layouts
         self._in = pipe.bridges[index - 1] if index > 0 else None
-        self._out = pipe.bridges[index] if index < pipe.num_stages - 1 else None
+        self._out = pipe.bridges[index] if not last else None
+        self._in_layout = pipe.boundaries[index - 1].dst if index > 0 else None
+        self._out_layout = pipe.boundaries[index].src if not last else None
         super().__init__(module, index, pipe.num_stages, pipe.device)
 
     # torch reads the pipeline rank and the number of pipeline ranks from a process
@@ -454,11 +460,11 @@ class BridgedStage(PipelineStage):
                                   f"positional arguments, got {args!r}")
             inputs = tuple(_TensorMeta.from_tensor(a) for a in args)
         else:
-            assert self._in is not None
-            inputs = (self._meta(self._in.dst, has_backward),)
+            assert self._in_layout is not None
+            inputs = (self._meta(self._in_layout, has_backward),)
         self._user_meta.inputs = inputs
-        self._user_meta.outputs = (() if self._out is None
-                                   else (self._meta(self._out.src, has_backward),))
+        self._user_meta.outputs = (() if self._out_layout is None
+                                   else (self._meta(self._out_layout, has_backward),))
         return super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward)
 
     def _resolve_peer_global_rank(self, stage_idx: int) -> int:
@@ -479,7 +485,7 @@ class BridgedStage(PipelineStage):
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         """Send micro-batch ``fwd_chunk_id``'s output (deferred, see the module docstring)."""
-        if self._out is None:
+        if self._out is None or self._out_layout is None:
             self._pipe.outbox.flush()
             return []
         output, _ = self.fwd_cache[fwd_chunk_id]
@@ -487,7 +493,7 @@ class BridgedStage(PipelineStage):
             raise MimoFxError(
                 f"stage {self.stage_index} returned {len(output)} values "
                 f"({', '.join(type(o).__name__ for o in output)}); a stage before the last "
-                f"returns one tensor, its piece of {self._out.src.describe()!r}")
+                f"returns one tensor, its piece of {self._out_layout.describe()!r}")
         self._pipe.outbox.send(self._out, Direction.FORWARD, output[0].detach())
         return []
 
