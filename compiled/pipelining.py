@@ -386,6 +386,11 @@ class BridgedStage(PipelineStage):
     def __init__(self, module: torch.nn.Module, index: int, pipe: BridgedPipeline) -> None:
         if not isinstance(pipe, BridgedPipeline):
             raise MimoFxError(f"BridgedStage needs a BridgedPipeline, got {pipe!r}")
+        if isinstance(index, bool) or not isinstance(index, int) or not (
+                0 <= index < pipe.num_stages):
+            raise MimoFxError(f"stage index {index!r} must be an int in "
+                              f"[0, {pipe.num_stages}): the pipeline has {pipe.num_stages} "
+                              f"stages")
         if pipe.rank not in pipe.stage_ranks[index]:
             raise MimoFxError(f"rank {pipe.rank} is not on stage {index}'s grid "
                               f"({_span(pipe.stage_ranks[index])}); use pipe.stage(module)")
@@ -454,6 +459,13 @@ class BridgedStage(PipelineStage):
                                has_backward: bool = False):
         """Describe the stage's input and output from the layouts, then let torch build
         its receive and send records from them."""
+        mine = self._pipe.local_stages
+        if len(mine) > 1 and not self._pipe.outbox.in_order:
+            raise MimoFxError(
+                f"rank {self._pipe.rank} runs stages {list(mine)} of this pipeline but a "
+                f"single-stage schedule drives stage {self.stage_index} alone; drive them "
+                f"all with a schedule over several stages per rank (e.g. "
+                f"ScheduleInterleaved1F1B), or give every stage its own ranks")
         if self.is_first:
             if not isinstance(args, tuple) or not all(isinstance(a, torch.Tensor) for a in args):
                 raise MimoFxError(f"the first stage takes tensors as the schedule's "

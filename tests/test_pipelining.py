@@ -17,6 +17,7 @@ import importlib.util
 import itertools
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -127,6 +128,7 @@ def _run(rank, spec, schedule, microbatches, dp_group, *, scale_grads=False, ste
                                                      if last else {}))
         for i, layer in layers.items():
             g = layer.weight.grad
+            assert g is not None
             if cuts[i] == "dp":
                 dist.all_reduce(g, group=dp_group)
             want = _local_weight(grads[i], cuts[i], rank)
@@ -227,7 +229,7 @@ def _world(rank: int, world: int) -> dict:
     }
     # recorded schedules and the errors seen on a stage's own rank need no peers
     out["transfer_order"] = _transfer_order() if rank == 0 else None
-    out["bad_stage_output"] = _bad_stage_output() if rank == 0 else None
+    out["stage_misuse"] = _stage_misuse() if rank == 0 else None
     return out
 
 
@@ -292,6 +294,7 @@ def _record(kind: str, boundaries, microbatches: int, rank: int) -> list[str]:
     pipe = _recording_pipeline(boundaries, rank)
     stages = [pipe.stage(Layer(torch.eye(2, dtype=DT)), i) for i in pipe.local_stages]
     loss = pipe.loss(lambda y, t: y.sum()) if pipe.output else (lambda y, t: y.sum())
+    sched: Any
     if kind == "interleaved":
         sched = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss, scale_grads=False)
     else:
@@ -370,22 +373,40 @@ def _transfer_order() -> str | None:
     return "; ".join(problems[:3]) or None
 
 
-def _bad_stage_output() -> str | None:
-    """A stage before the last returning two tensors: the error names the rule."""
+def _stage_misuse() -> str | None:
+    """Mistakes a stage sees on its own rank: a stage before the last returning two
+    tensors, an index out of range, a single-stage schedule on a rank of several stages."""
     from torch.distributed.pipelining import ScheduleGPipe
+
+    from mimo_fx.compiled.pipelining import BridgedStage
 
     class Two(torch.nn.Module):
         def forward(self, x):
             return x, x
 
-    pipe = _recording_pipeline([(Layout(Grid(tp=1), "b h"),
-                                 Layout(Grid(tp=1, offset=1), "b h"))], 0)
-    sched = ScheduleGPipe(pipe.stage(Two()), 2, loss_fn=lambda y, t: y.sum())
-    try:
-        sched.step(torch.ones(4, 2, dtype=DT))
-    except MimoFxError as err:
-        return None if "returns one tensor" in str(err) else str(err)
-    return "no error"
+    one, other = Grid(tp=1), Grid(tp=1, offset=1)
+    pipe = _recording_pipeline([(Layout(one, "b h"), Layout(other, "b h"))], 0)
+    looped = _recording_pipeline([(Layout(one, "b h"), Layout(other, "b h")),
+                                  (Layout(other, "b h"), Layout(one, "b h")),
+                                  (Layout(one, "b h"), Layout(other, "b h"))], 0)
+    x = torch.ones(4, 2, dtype=DT)
+    cases = [
+        ("returns one tensor",
+         lambda: ScheduleGPipe(pipe.stage(Two()), 2, loss_fn=lambda y, t: y.sum()).step(x)),
+        ("must be an int in [0, 2)", lambda: BridgedStage(Two(), 2, pipe)),
+        ("a single-stage schedule drives stage 0 alone",
+         lambda: ScheduleGPipe(looped.stage(Layer(torch.eye(2, dtype=DT)), 0), 2,
+                               loss_fn=lambda y, t: y.sum()).step(x)),
+    ]
+    problems = []
+    for words, call in cases:
+        try:
+            call()
+            problems.append(f"no error ({words})")
+        except MimoFxError as err:
+            if words not in str(err):
+                problems.append(str(err))
+    return "; ".join(problems) or None
 
 
 @pytest.fixture(scope="module")
@@ -396,7 +417,7 @@ def world():
 CHECKS = ["gpipe_tp2_to_dp2", "1f1b_tp2_to_dp2", "1f1b_scale_grads_per_microbatch",
           "gpipe_3_stages", "1f1b_3_stages", "interleaved_1f1b",
           "interleaved_1f1b_8_microbatches", "example", "stage_errors", "transfer_order",
-          "bad_stage_output"]
+          "stage_misuse"]
 
 
 @pytest.mark.parametrize("name", CHECKS)

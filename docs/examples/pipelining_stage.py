@@ -58,9 +58,12 @@ def train(rank: int, world: int) -> torch.Tensor:
         schedule.step(x)
     else:
         schedule.step(target=target)
-        dist.all_reduce(layer.weight.grad, group=dp_group)  # dp replicas' gradients sum
+    grad = layer.weight.grad
+    assert grad is not None
+    if rank >= 2:
+        dist.all_reduce(grad, group=dp_group)  # dp replicas' gradients sum
     pipe.destroy()
-    return layer.weight.grad
+    return grad
 
 
 def main() -> None:
