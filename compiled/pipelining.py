@@ -234,13 +234,16 @@ class _Outbox:
     def receive(self, bridge: Bridge, direction: Direction) -> torch.Tensor:
         if direction is Direction.BACKWARD:
             self.flush()
-            return bridge.recv_backward()
+            g = bridge.recv_backward()
+            assert g is not None  # (None only off both grids)
+            return g
         # the same stage's deferred gradient waits for the activation torch pairs it with
         pending = self._pending
         if pending is None or pending[1] is Direction.FORWARD or pending[0] is not bridge:
             self.flush()
         y = bridge.recv_forward()
         self.flush()
+        assert y is not None  # (None only off both grids)
         return y
 
 
