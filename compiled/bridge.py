@@ -60,6 +60,9 @@ from .redistributor import Redistributor
 __all__ = ["Bridge"]
 
 _BUILT = [0]  # bridges built so far: the same count on every rank names their channels
+# messages of failed bridges still in flight: a message's buffer and work must outlive
+# its bridge until it is through (dropping them can cancel it under the peer)
+_ORPHANS: list = []
 
 
 class Bridge(Redistributor):
@@ -296,6 +299,9 @@ class Bridge(Redistributor):
         if self._live:
             if not self._failed:
                 self.flush()
+            for channel in self._channels:
+                _ORPHANS.extend(channel.in_flight())
+            _ORPHANS[:] = [(w, t) for w, t in _ORPHANS if not w.is_completed()]
             for tag in self._tags:
                 release([self.union], tag, abandon=self._failed)
             self._channels = ()

@@ -47,6 +47,7 @@ class Channel:
         self.group = group
         self.rank = rank
         self._sent: list[tuple[dist.Work, torch.Tensor]] = []
+        self._posted: list[tuple[dist.Work, torch.Tensor]] = []  # receives, until they end
 
     # -- messages -----------------------------------------------------------------------
     def _send(self, piece: torch.Tensor, peer: int, tag: int) -> None:
@@ -58,6 +59,7 @@ class Channel:
     def _recv(self, into: torch.Tensor, peer: int, tag: int) -> dist.Work:
         work = dist.irecv(into, src=peer, group=self.group, tag=tag)
         assert work is not None
+        self._posted.append((work, into))
         return work
 
     def settle(self, wait: bool = False) -> int:
@@ -69,7 +71,14 @@ class Channel:
             self._sent.clear()
         else:
             self._sent = [(w, t) for w, t in self._sent if not w.is_completed()]
+        self._posted = [(w, t) for w, t in self._posted if not w.is_completed()]
         return len(self._sent)
+
+    def in_flight(self) -> list:
+        """Every send and receive not finished yet, with its buffer: what must stay alive
+        (a dropped work can cancel its message under the peer)."""
+        self.settle()
+        return self._sent + self._posted
 
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
                  recvs: Sequence[tuple[int, torch.Tensor]], tag: int = DATA) -> list:

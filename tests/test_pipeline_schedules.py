@@ -12,6 +12,8 @@ case is the first regression test.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from mimo_fx import Grid, Layout
 from mimo_fx.testing import run_world
 
 B, H, M = 4, 4, 4  # batch rows, hidden, micro-batches
+EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "bridge_1f1b.py"
 
 
 def _data(stages: int, micro: int):
@@ -248,8 +251,19 @@ def _mistakes(rank: int) -> dict:
     return out
 
 
+def _readme_example(rank: int, world: int):
+    """The README's hand-written 1F1B (docs/examples/bridge_1f1b.py) on this world."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bridge_1f1b", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.train(rank, world)
+
+
 def _schedules(rank: int, world: int) -> dict:
-    out: dict = {"mistakes": _mistakes(rank)}
+    out: dict = {"mistakes": _mistakes(rank), "example": _readme_example(rank, world)}
     for name, variant in CASES:
         try:
             out[name, variant] = "; ".join(_one_schedule(rank, name, variant)) or None
@@ -275,3 +289,21 @@ def test_checked_mistake_raises_on_both_grids(world6, who):
     for rank in range(4):
         message = world6[rank]["mistakes"][who]
         assert culprit in message, (rank, message)
+
+
+def test_readme_1f1b_example_matches_the_full_model(world6):
+    """Gradients against ``x @ w`` differentiated whole, the loss summed over ranks."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bridge_1f1b", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    w, xs = example.data()
+    w.requires_grad_()
+    loss = torch.tanh(xs @ w).square().sum() / xs.numel()
+    loss.backward()
+    for rank, want in enumerate(w.grad.chunk(2, dim=1)):
+        assert torch.allclose(world6[rank]["example"], want, atol=1e-6), rank
+    assert abs(world6[2]["example"] + world6[3]["example"] - loss.item()) < 1e-5
+    assert world6[4]["example"] is None

@@ -45,7 +45,6 @@ WORLD = 8
 B, S, FEAT, H = 8, 12, 5, 6      # batch, sequence, encoder features, hidden
 TOL = 1e-6
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "sync_example.py"
-SNIPPETS = Path(__file__).resolve().parent.parent / "docs_pipeline_snippets.md"
 
 
 class Encoder(nn.Module):
@@ -489,12 +488,3 @@ def test_pure_helpers():
     assert data_axes(Grid(tp=2, cp=2, dp=1)) == ("cp",)
     assert embedding_groups(Grid(tp=2, pp=3, dp=2)) == ((0, 4), (1, 5), (6, 10), (7, 11))
     assert embedding_groups(Grid(dp=2)) == ((0,), (1,))
-
-
-def test_readme_snippets_are_the_tested_example():
-    """Each python block of the README text is a verbatim part of the example file."""
-    example = EXAMPLE.read_text()
-    blocks = re.findall(r"```python\n(.*?)```", SNIPPETS.read_text(), flags=re.S)
-    assert len(blocks) >= 2
-    for block in blocks:
-        assert block.strip() in example, f"a README block is not in {EXAMPLE.name}:\n{block}"
