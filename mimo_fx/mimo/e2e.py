@@ -42,6 +42,7 @@ from mimo_fx.plan import format_bytes
 from .config import MimoParallelism
 from .config import ModuleParallelism as M
 from .grads import ModuleGrads
+from .report import allreduce, step_row
 from .toy import ToyConfig, ToyMimo
 
 __all__ = ["VARIANTS", "train_worker", "main"]
@@ -84,14 +85,6 @@ def _data(cfg: ToyConfig, step: int, variant: str = "colocated"):
     t = torch.randn(cfg.batch, images + text, cfg.hidden, generator=gen)
     emb = torch.randn(cfg.batch, text, cfg.hidden, generator=gen) if lengths else None
     return x, t, emb
-
-
-def _allreduce(values: list[float], op) -> list[float]:
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
 
 
 def _train(rank: int, run: Run) -> dict:
@@ -175,7 +168,7 @@ def _train(rank: int, run: Run) -> dict:
                                                         rank)
         step_bytes = world.bytes_sent(model.step_sizes(x.shape[1], t.shape[1] - x.shape[1]),
                                       recorded)
-        rows.append(_row(step, float(value) if counts_loss else 0.0, float(ref_loss),
+        rows.append(step_row(step, float(value) if counts_loss else 0.0, float(ref_loss),
                          grad_diff, step_bytes, elapsed))
         say(f"[{run.variant}] step {step}/{run.steps}: loss {rows[-1]['loss']:.6f} "
             f"(undistributed {rows[-1]['ref_loss']:.6f}), "
@@ -185,26 +178,12 @@ def _train(rank: int, run: Run) -> dict:
     from torch._dynamo.utils import counters
 
     # (counted since the warm-up cleared the counters)
-    param_diff, compile_s, graphs = _allreduce(
+    param_diff, compile_s, graphs = allreduce(
         [param_diff, compile_s, counters["stats"]["unique_graphs"]], dist.ReduceOp.MAX)
     world.destroy()
     torch._dynamo.reset()
     return {"variant": run.variant, "backend": run.backend, "rows": rows,
             "param_diff": param_diff, "compile_s": compile_s, "graphs": int(graphs)}
-
-
-def _row(step: int, loss: float, ref_loss: float, grad_diff: float, step_bytes: int,
-         elapsed: float) -> dict:
-    """One step's row of the table, over all ranks: the loss summed over the ranks that
-    count it, the worst gradient difference and time, bytes sent per rank and in all."""
-    import torch.distributed as dist
-
-    loss_sum, = _allreduce([loss], dist.ReduceOp.SUM)
-    worst, bytes_max, seconds = _allreduce([grad_diff, step_bytes, elapsed],
-                                           dist.ReduceOp.MAX)
-    total_bytes, = _allreduce([step_bytes], dist.ReduceOp.SUM)
-    return {"step": step, "loss": loss_sum, "ref_loss": ref_loss, "grad_diff": worst,
-            "bytes_max": bytes_max, "bytes_total": total_bytes, "seconds": seconds}
 
 
 def _warm_up(run: Run, grad_step, run_step, say):

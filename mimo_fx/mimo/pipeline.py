@@ -102,13 +102,16 @@ def megatron_1f1b(stages: int, stage: int, micro: int) -> list[tuple]:
 
 def train_pipelined(rank: int, steps: int = 3, backend: str = "aot_eager", lr: float = 0.1,
                     cfg: PipeConfig = PipeConfig(), say=None) -> dict:
-    """Train the pipelined job on this rank (8 ranks); the e2e table's result dict."""
+    """Train the pipelined job on this rank (8 ranks); the e2e table's result dict.
+
+    Long because it reads as the training script a user writes: grids, layouts and
+    bridges, this rank's stage, compiled, warm-up, then the loop with its checks."""
     import torch.distributed as dist
 
     from mimo_fx.compiled import Bridge, Redistributor
-    from mimo_fx.plan import plan
     from mimo_fx.reference import shard
 
+    from .report import step_row
     from .sync import GradSync
 
     say = say or (lambda *a, **k: None)
@@ -147,87 +150,21 @@ def train_pipelined(rank: int, steps: int = 3, backend: str = "aot_eager", lr: f
     compute = stage if backend == "eager" else torch.compile(stage, backend=backend,
                                                              fullgraph=True)
     sync = GradSync({n: (stage if n == name else None, GRIDS[n]) for n in order})
-    prev = bridges[k - 1] if k > 0 else None
-    nxt = bridges[k] if k < 2 else None
-    count = cfg.micro * cfg.batch * cfg.seq * cfg.hidden  # the loss's global element count
+    last = k == 2
+    runner = _Runner(rank, k, compute, bridges, cfg, feats, target)
 
-    def run_step(step: int) -> torch.Tensor:
-        """One step's 1F1B schedule on this rank; returns its part of the loss."""
-        x_all, t_all = step_data(cfg, step)
-        ins: dict = {}
-        outs: dict = {}
-        loss = torch.zeros(())
-
-        def receive(m):
-            if prev is None:
-                return shard(x_all[m], feats)[rank]
-            return prev.recv_forward()
-
-        def forward(m, x):
-            ins[m] = x
-            outs[m] = compute(x)
-
-        def backward(m, grad):
-            nonlocal loss
-            if nxt is None:
-                piece = ((outs[m] - shard(t_all[m], target)[rank]) ** 2).sum() / count
-                loss = loss + piece.detach()
-                piece.backward()
-            else:
-                outs[m].backward(grad)
-            return ins[m].grad if prev is not None else None
-
-        pending = None
-        for action in megatron_1f1b(3, k, cfg.micro):
-            if action[0] == "F":
-                forward(action[1], receive(action[1]))
-                if nxt is not None:
-                    nxt.send_forward(outs[action[1]].detach())
-            elif action[0] == "B":
-                g = backward(action[1], nxt.recv_backward() if nxt is not None else None)
-                if prev is not None:
-                    prev.send_backward(g)
-            else:
-                mf, mb = action[1], action[2]
-                forward(mf, pending if pending is not None else receive(mf))
-                pending = None
-                grad = (nxt.send_forward_recv_backward(outs[mf].detach())
-                        if nxt is not None else None)
-                g = backward(mb, grad)
-                more = mf + 1 < cfg.micro
-                if prev is not None and more:
-                    pending = prev.send_backward_recv_forward(g)
-                elif prev is not None:
-                    prev.send_backward(g)
-        for bridge in bridges:
-            bridge.flush()
-        return loss
-
-    # bytes a step sends per rank: the bridges' and the TP redistributions' plans per
-    # micro-batch (forward and backward), and the gradient sums (ring all-reduce)
-    per_micro: dict[int, int] = {}
-    for s, d, gp in ((acts["enc"], acts["llm1"], ()), (acts["llm1"], acts["llm2"], ()),
-                     (acts["llm1"], acts["llm1"], ("tp",)), (partial, acts["llm1"], ())):
-        from mimo_fx.plan import backward_layouts
-
-        for a, b in ((s, d), backward_layouts(s, d, gp)):
-            for r, n in plan(a, b, sizes).bytes_sent.items():
-                per_micro[r] = per_micro.get(r, 0) + n
-    sync_bytes = sum(2 * (len(bk.ranks) - 1) * bk.numel * 4 // len(bk.ranks)
-                     for bk in sync.buckets if rank in bk.ranks)
-    step_bytes = cfg.micro * per_micro.get(rank, 0) + sync_bytes
-
+    step_bytes = _step_bytes(rank, acts, partial, sizes, sync, cfg.micro)
     torch._dynamo.utils.counters.clear()
     say(f"[pp_1f1b] warm-up step (compiles each stage with {backend})", flush=True)
     start = time.perf_counter()
-    run_step(0)  # a warm-up on step 0's data: compiles; its gradients are dropped
+    runner.step(0)  # a warm-up on step 0's data: compiles; its gradients are dropped
     stage.zero_grad(set_to_none=True)
     compile_s = time.perf_counter() - start
     rows = []
     for step in range(1, steps + 1):
         dist.barrier()
         start = time.perf_counter()
-        loss = run_step(step)
+        loss = runner.step(step)
         sync.sync()
         grads = {f"{name}.{n}": p.grad.clone() for n, p in stage.params.items()}
         with torch.no_grad():
@@ -241,16 +178,16 @@ def train_pipelined(rank: int, steps: int = 3, backend: str = "aot_eager", lr: f
         diff = max(float((g - shard(_grad(leaves[n]), layouts[n])[rank]).abs().max())
                    for n, g in grads.items())
         full = {n: (v - lr * _grad(leaves[n])).detach() for n, v in full.items()}
-        rows.append(_row(step, loss.item() if nxt is None else 0.0, ref.item(), diff,
+        rows.append(step_row(step, loss.item() if last else 0.0, ref.item(), diff,
                          step_bytes, elapsed))
         say(f"[pp_1f1b] step {step}/{steps}: loss {rows[-1]['loss']:.6f} "
             f"(undistributed {rows[-1]['ref_loss']:.6f})", flush=True)
     param_diff = max(float((p.detach() - shard(full[f"{name}.{n}"], layouts[f"{name}.{n}"])[rank])
                            .abs().max()) for n, p in stage.params.items())
-    from .e2e import _allreduce
+    from .report import allreduce
 
     # (this rank's stage graphs over the warm-up and every step: 1 means no recompile)
-    param_diff, compile_s, graphs = _allreduce(
+    param_diff, compile_s, graphs = allreduce(
         [param_diff, compile_s, torch._dynamo.utils.counters["stats"]["unique_graphs"]],
         dist.ReduceOp.MAX)
     sync.destroy()
@@ -261,12 +198,89 @@ def train_pipelined(rank: int, steps: int = 3, backend: str = "aot_eager", lr: f
             "param_diff": param_diff, "compile_s": compile_s, "graphs": int(graphs)}
 
 
+class _Runner:
+    """One rank's stage in the 1F1B schedule: receives, computes, sends, per micro-batch."""
+
+    def __init__(self, rank: int, k: int, compute, bridges, cfg: PipeConfig, feats: Layout,
+                 target: Layout) -> None:
+        self.rank, self.compute, self.cfg = rank, compute, cfg
+        self.k, self.feats, self.target = k, feats, target
+        self.prev = bridges[k - 1] if k > 0 else None
+        self.next = bridges[k] if k < len(bridges) else None
+        self.bridges = bridges
+        self.count = cfg.micro * cfg.batch * cfg.seq * cfg.hidden  # the loss's global count
+
+    def step(self, step: int) -> torch.Tensor:
+        """One step's 1F1B schedule on this rank; returns its part of the loss."""
+        from mimo_fx.reference import shard
+
+        x_all, t_all = step_data(self.cfg, step)
+        self.ins: dict = {}
+        self.outs: dict = {}
+        self.loss = torch.zeros(())
+        self.targets = [shard(t, self.target).get(self.rank) for t in t_all]
+        prev, nxt = self.prev, self.next
+
+        def receive(m):
+            return shard(x_all[m], self.feats)[self.rank] if prev is None else prev.recv_forward()
+
+        pending = None
+        for action in megatron_1f1b(len(self.bridges) + 1, self.k, self.cfg.micro):
+            if action[0] == "F":
+                self._forward(action[1], receive(action[1]))
+                if nxt is not None:
+                    nxt.send_forward(self.outs[action[1]].detach())
+            elif action[0] == "B":
+                g = self._backward(action[1], nxt.recv_backward() if nxt is not None else None)
+                if prev is not None:
+                    prev.send_backward(g)
+            else:  # steady state: forward mf, backward mb, with the combined calls
+                mf, mb = action[1], action[2]
+                self._forward(mf, pending if pending is not None else receive(mf))
+                pending = None
+                grad = (nxt.send_forward_recv_backward(self.outs[mf].detach())
+                        if nxt is not None else None)
+                g = self._backward(mb, grad)
+                if prev is not None and mf + 1 < self.cfg.micro:
+                    pending = prev.send_backward_recv_forward(g)
+                elif prev is not None:
+                    prev.send_backward(g)
+        for bridge in self.bridges:
+            bridge.flush()
+        return self.loss
+
+    def _forward(self, m: int, x: torch.Tensor) -> None:
+        self.ins[m] = x
+        self.outs[m] = self.compute(x)
+
+    def _backward(self, m: int, grad):
+        if self.next is None:
+            piece = ((self.outs[m] - self.targets[m]) ** 2).sum() / self.count
+            self.loss = self.loss + piece.detach()
+            piece.backward()
+        else:
+            self.outs[m].backward(grad)
+        return self.ins[m].grad if self.prev is not None else None
+
+
+def _step_bytes(rank: int, acts: dict, partial: Layout, sizes: dict, sync, micro: int) -> int:
+    """Bytes a step sends from ``rank``: the bridges' and the TP redistributions' plans per
+    micro-batch (forward and backward), and the gradient sums (ring all-reduce)."""
+    from mimo_fx.plan import backward_layouts, plan
+
+    per_micro: dict[int, int] = {}
+    for s, d, gp in ((acts["enc"], acts["llm1"], ()), (acts["llm1"], acts["llm2"], ()),
+                     (acts["llm1"], acts["llm1"], ("tp",)), (partial, acts["llm1"], ())):
+        for a, b in ((s, d), backward_layouts(s, d, gp)):
+            for r, n in plan(a, b, sizes).bytes_sent.items():
+                per_micro[r] = per_micro.get(r, 0) + n
+    sync_bytes = sum(2 * (len(bk.ranks) - 1) * bk.numel * 4 // len(bk.ranks)
+                     for bk in sync.buckets if rank in bk.ranks)
+    return micro * per_micro.get(rank, 0) + sync_bytes
+
+
 def _grad(leaf: torch.Tensor) -> torch.Tensor:
     assert leaf.grad is not None  # every parameter takes part in the loss
     return leaf.grad
 
 
-def _row(*args) -> dict:
-    from .e2e import _row as row
-
-    return row(*args)

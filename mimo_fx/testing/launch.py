@@ -9,8 +9,10 @@ re-raised in the parent.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import time
@@ -29,6 +31,22 @@ class WorldError(MimoFxError, AssertionError):
     """A spawned world hung, lost a rank, or a rank raised (its traceback is the message)."""
 
 
+def _where_stuck(ctx, world: int, out_dir: str) -> str:
+    """The ranks that never finished their function, each with the innermost frames of
+    its stack (asked for with SIGUSR1, see ``_worker``)."""
+    stuck = [r for r in range(world) if not os.path.exists(os.path.join(out_dir, f"{r}.done"))]
+    for rank in stuck:
+        if ctx.processes[rank].is_alive():
+            os.kill(ctx.processes[rank].pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    lines = [f"; ranks {stuck} never finished"]
+    for rank in stuck:
+        with open(os.path.join(out_dir, f"{rank}.stack")) as f:
+            frames = [ln.strip() for ln in f if ln.strip().startswith("File")]
+        lines.append(f"rank {rank} is at: " + (" <- ".join(frames[:3]) or "(no stack)"))
+    return "\n  ".join(lines)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -41,6 +59,9 @@ def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, backend: s
     if record:  # Flight Recorder, read by mimo_fx.compiled.trace
         os.environ["TORCH_FR_BUFFER_SIZE"] = "20000"
     torch.set_num_threads(threads)
+    # where this rank is, on request: the parent asks ranks that hang (see run_world)
+    stack = open(os.path.join(out_dir, f"{rank}.stack"), "w")  # noqa: SIM115 (process-long)
+    faulthandler.register(signal.SIGUSR1, file=stack, all_threads=False)
     result: object
     try:
         if backend == "nccl":
@@ -49,6 +70,7 @@ def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, backend: s
                                 world_size=world)
         try:
             result = fn(rank, world, *args)
+            open(os.path.join(out_dir, f"{rank}.done"), "w").close()
             # every rank done before any tears down: rank 0 hosts the store, and a peer
             # still creating a group (non-members return from new_group early) needs it
             if dist.is_initialized():  # fn may have torn its world down itself
@@ -88,7 +110,7 @@ def run_world(world: int, fn, *args, timeout: float = 300.0, backend: str = "glo
                 if time.monotonic() > deadline:
                     raise WorldError(f"the {world}-process world did not finish in "
                                      f"{timeout:.0f} s (a hang?); raise timeout= if it is "
-                                     f"just slow")
+                                     f"just slow" + _where_stuck(ctx, world, out_dir))
         except mp.ProcessExitedException as err:
             raise WorldError(f"a rank of the {world}-process world died: {err} (its stderr "
                              f"says why; a script that spawns worlds needs the "
