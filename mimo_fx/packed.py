@@ -17,7 +17,8 @@ in its own sequence (:meth:`Packing.position_in_sequence`, for RoPE), its sequen
 varlen attention kernel (:meth:`Packing.local_cu_seqlens`). :func:`pack_shard` and
 :func:`pack_unshard` are the oracle between the unpadded packed tensor and the per-rank
 pieces; :func:`image_rows` says which image embeddings each cp rank receives and where
-they go in its storage.
+they go in its storage. Every index comes as a CPU int64 tensor (``.to(device)`` it, or
+``.int()`` for a kernel that wants int32 boundaries).
 
 >>> p = Packing([3, 6], cp=2)
 >>> p.padded_lengths, p.cu_seqlens.tolist(), p.cu_seqlens_padded.tolist()
@@ -190,8 +191,7 @@ class Packing:
 
     def token_index(self, rank: int) -> torch.Tensor:
         """Each of ``rank``'s tokens' index in the unpadded packed sequence, -1 for padding."""
-        seq, offset = self._local(rank)
-        real = offset < torch.tensor(self.lengths, dtype=torch.int64)[seq]
+        seq, offset, real = self._tokens(rank)
         return torch.where(real, self.cu_seqlens[:-1][seq] + offset, -1)
 
     def position_in_sequence(self, rank: int) -> torch.Tensor:
@@ -202,8 +202,7 @@ class Packing:
 
     def segment_ids(self, rank: int) -> torch.Tensor:
         """Which sequence each of ``rank``'s tokens belongs to, -1 for padding."""
-        seq, offset = self._local(rank)
-        real = offset < torch.tensor(self.lengths, dtype=torch.int64)[seq]
+        seq, _, real = self._tokens(rank)
         return torch.where(real, seq, -1)
 
     def local_cu_seqlens(self, rank: int, *, padded: bool = True) -> torch.Tensor:
@@ -214,14 +213,17 @@ class Packing:
         ``padded=False``: the running count of the rank's real tokens per sequence. A
         sequence's real tokens come first in its block (padding sits at the sequence's
         end, and the later chunk is all padding whenever the earlier one has any)."""
-        self._check_rank(rank)
+        seq, _, real = self._tokens(rank)
         if padded:
             return self.cu_seqlens_padded // self.cp
-        real = self.token_index(rank) >= 0
-        seq = self._local(rank)[0]
         counts = torch.zeros(len(self.lengths), dtype=torch.int64).index_add_(
             0, seq, real.to(torch.int64))
         return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+    def _tokens(self, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per local token: its sequence, its place in the padded sequence, whether real."""
+        seq, offset = self._local(rank)
+        return seq, offset, offset < torch.tensor(self.lengths, dtype=torch.int64)[seq]
 
     def _local(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per local token: its sequence and its position within the padded sequence."""
@@ -301,7 +303,8 @@ def image_rows(packing: Packing, image_positions: Sequence[int] | torch.Tensor
     ``image_positions[j]`` is the position, in the unpadded packed sequence, of the token
     that image embedding ``j`` replaces; the positions need not be sorted (embedding ``j``
     is simply row ``j``) but must be distinct. Each rank's entries come in its storage
-    order, which is also the order of rising position.
+    order, which is also the order of rising position; a rank without image tokens gets
+    two empty tensors. Positions may be a list or a 1-D integer tensor.
     """
     positions = _check_image_positions(packing, image_positions)
     owner = torch.empty(packing.total, dtype=torch.int64)
