@@ -229,9 +229,11 @@ class Packing:
         """Per local token: its sequence and its position within the padded sequence."""
         self._check_rank(rank)
         block = torch.tensor(self.padded_lengths, dtype=torch.int64) // self.cp
-        seq = torch.repeat_interleave(torch.arange(len(block)), block)
-        starts = torch.cumsum(block, 0) - block
-        j = torch.arange(len(seq)) - starts[seq]  # place within the sequence's block
+        ends = torch.cumsum(block, 0)
+        local = torch.arange(self.local_total)
+        # not repeat_interleave: on a busy machine its thread pool costs milliseconds
+        seq = torch.searchsorted(ends, local, right=True)
+        j = local - (ends - block)[seq]  # place within the sequence's block
         chunk = (block // 2 if self.zigzag else block)[seq]
         if not self.zigzag:
             return seq, rank * chunk + j
