@@ -327,11 +327,13 @@ def image_rows(packing: Packing, image_positions: Sequence[int] | torch.Tensor
 def _check_image_positions(packing: Packing, image_positions: object) -> torch.Tensor:
     if not isinstance(image_positions, torch.Tensor):
         try:
-            image_positions = torch.tensor(image_positions, dtype=torch.int64)
+            image_positions = torch.tensor(image_positions)  # no dtype=: it would floor 1.5
         except (TypeError, ValueError, RuntimeError):
             raise MimoFxError(f"image_positions must be integer positions, got "
                               f"{image_positions!r}") from None
     t = image_positions
+    if t.numel() == 0 and t.dim() == 1:
+        t = t.to(torch.int64)  # torch.tensor([]) is float32
     if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise MimoFxError(f"image_positions must be a 1-D integer tensor (one position per "
                           f"image embedding), got dtype {t.dtype} and shape {tuple(t.shape)}")

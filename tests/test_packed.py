@@ -322,6 +322,7 @@ def test_image_rows_partition_and_deliver(case, data):
     (lambda: image_rows(Packing([3, 2], 2), [1, 5]), ["[5]", "0..4", "padding"]),
     (lambda: image_rows(Packing([3, 2], 2), [1, 2, 1]), ["repeat [1]", "distinct"]),
     (lambda: image_rows(Packing([3, 2], 2), torch.tensor([1.0])), ["integer", "float32"]),
+    (lambda: image_rows(Packing([3, 2], 2), [1.5]), ["integer", "float32"]),
     (lambda: image_rows(Packing([3, 2], 2), [[1]]), ["1-D", "(1, 1)"]),
     (lambda: image_rows(Packing([3, 2], 2), ["a"]), ["integer positions", "'a'"]),
 ])
