@@ -40,7 +40,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -48,7 +47,7 @@ from .errors import MimoFxError
 
 __all__ = ["IndexPlan", "RankBackward", "RankForward", "plan_rows", "seed_bytes"]
 
-Rows = Union[torch.Tensor, Sequence[int]]
+Rows = torch.Tensor | Sequence[int]
 Ints = tuple[int, ...]
 
 
@@ -120,7 +119,7 @@ class IndexPlan:
 
     def bytes(self, row_bytes: int) -> dict[int, dict[str, int]]:
         """Bytes each rank sends and receives, per direction, for rows of ``row_bytes``."""
-        out = {}
+        out: dict[int, dict[str, int]] = {}
         for direction in ("forward", "backward"):
             for kind, count in (("sent", self.sent), ("received", self.received)):
                 for r, n in count(direction).items():
@@ -199,7 +198,7 @@ def _choose_senders(ranks: Ints, srcs: tuple[Ints, ...], dsts: tuple[Ints, ...],
     """One sender per row some rank needs and lacks: heaviest rows first, each to the
     holder that has the least to send so far (ties: lowest rank)."""
     weight = [0] * n
-    for r, need, have in zip(ranks, dsts, srcs):
+    for need, have in zip(dsts, srcs):
         for g in set(need) - set(have):
             weight[g] += 1
     load = dict.fromkeys(ranks, 0)
