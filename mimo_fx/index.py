@@ -103,12 +103,12 @@ class IndexPlan:
 
     def received(self, direction: str = "forward") -> dict[int, int]:
         """Rows each rank receives in ``direction`` ("forward" or "backward")."""
-        steps = self._steps(direction)
+        steps = self.steps(direction)
         return {r: sum(s.recv_counts) for r, s in zip(self.ranks, steps)}
 
     def sent(self, direction: str = "forward") -> dict[int, int]:
         """Rows each rank sends in ``direction``."""
-        steps = self._steps(direction)
+        steps = self.steps(direction)
         return {r: sum(s.send_counts) for r, s in zip(self.ranks, steps)}
 
     def lower_bound(self) -> dict[int, int]:
@@ -126,7 +126,8 @@ class IndexPlan:
                     out.setdefault(r, {})[f"{direction}_{kind}"] = n * row_bytes
         return out
 
-    def _steps(self, direction: str) -> tuple:
+    def steps(self, direction: str) -> tuple:
+        """Every rank's program for ``direction``, in :attr:`ranks` order."""
         if direction not in ("forward", "backward"):
             raise MimoFxError(f"direction must be 'forward' or 'backward', got "
                               f"{direction!r}")

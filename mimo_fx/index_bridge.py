@@ -96,7 +96,7 @@ class _Reference:
         else:
             sums, sent = zip(*(_backward_send(s, g) for s, g in zip(plan.backward, tensors)))
         cut = [list(torch.split(t, list(step.send_counts)))
-               for t, step in zip(sent, plan._steps(direction))]
+               for t, step in zip(sent, plan.steps(direction))]
         got = [torch.cat([cut[i][j] for i in range(n)]) for j in range(n)]
         if direction == "forward":
             return tuple(_forward_take(s, x, r) for s, x, r in zip(plan.forward, tensors, got))
@@ -112,7 +112,7 @@ class _OverComm:
     def run(self, program, tensors, env=None):
         plan, direction = program
         (t,) = tensors
-        step = plan._steps(direction)[plan.index(self.rank)]
+        step = plan.steps(direction)[plan.index(self.rank)]
         if direction == "forward":
             send = _forward_send(step, t)
         else:
@@ -135,6 +135,10 @@ def index_bridge_all(plan: IndexPlan, pieces: Mapping[int, torch.Tensor]
     if like is None:
         raise MimoFxError("index_bridge_all needs at least one src piece (for the dtype and "
                           "row shape)")
+    strangers = sorted(set(pieces) - set(plan.ranks))
+    if strangers:
+        raise MimoFxError(f"index_bridge_all got pieces for ranks {strangers} that take no "
+                          f"part in the plan; its ranks are {plan.ranks}")
     tensors = []
     for r in plan.ranks:
         x = pieces.get(r)

@@ -228,6 +228,8 @@ def test_a_piece_of_the_wrong_size_is_refused():
     plan = plan_rows({0: [0, 1]}, {0: [1]}, 2)
     with pytest.raises(MimoFxError, match=r"\(2, \*row_shape\)"):
         index_bridge_all(plan, {0: torch.zeros(3, H)})
+    with pytest.raises(MimoFxError, match=r"ranks \[5\]"):
+        index_bridge_all(plan, {0: torch.zeros(2, H), 5: torch.zeros(0, H)})
 
 
 # -- random ownership and needs -----------------------------------------------------------
