@@ -5,9 +5,10 @@ rows it asks for, and every src holder of a row gets that row's full gradient (D
 rule for replicated src). Checked: the plan sits at the lower bound (each rank receives
 exactly its distinct needed rows it does not hold, each at most once), the reference
 executor and the one-all_to_all-per-direction lowering (every rank in a thread of an
-emulated world, and 4 gloo processes) give exact values and gradients, and on a packed
-CP=2 batch the bytes moved are at least CP times below the replicate-and-all-reduce
-scheme. Hand-written cases first, then hypothesis over random ownership and needs.
+emulated world; 4 gloo processes, eager and under torch.compile) give exact values and
+gradients, and on a packed CP=2 batch the bytes moved are at least CP times below the
+replicate-and-all-reduce scheme. Hand-written cases first, then hypothesis over random
+ownership and needs.
 """
 
 from __future__ import annotations
@@ -265,6 +266,8 @@ def test_random_plans_over_an_emulated_world(case):
 
 # -- four gloo processes ------------------------------------------------------------------
 def _gloo_rank(rank, world, src, dst, n):
+    """This rank's dst piece and src gradient, eagerly and under torch.compile
+    (fullgraph: the bridge traces without a graph break)."""
     import torch.distributed as dist
 
     from mimo_fx.compiled.comm import FunctionalComm
@@ -272,13 +275,22 @@ def _gloo_rank(rank, world, src, dst, n):
     plan = plan_rows(src, dst, n)
     comm = FunctionalComm({plan.ranks: dist.group.WORLD.group_name})
     x = torch.randn(n, H, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    piece = pieces_of(x, src, [rank])[rank].requires_grad_()
-    y = index_bridge(plan, piece, comm=comm, rank=rank)
-    (g,) = torch.autograd.grad((y * weights_for(plan)[rank]).sum(), piece)
-    return y.detach(), g
+    weight = weights_for(plan)[rank]
+
+    def step(piece):
+        y = index_bridge(plan, piece, comm=comm, rank=rank)
+        return (y * weight).sum(), y
+
+    out = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        piece = pieces_of(x, src, [rank])[rank].requires_grad_()
+        loss, y = fn(piece)
+        (g,) = torch.autograd.grad(loss, piece)
+        out.append((y.detach(), g))
+    return out
 
 
-def test_four_gloo_processes():
+def test_four_gloo_processes_eager_and_compiled():
     from mimo_fx.testing import run_world
 
     _, positions, _, src, dst = packed_case((2, 3))
@@ -288,6 +300,7 @@ def test_four_gloo_processes():
     plan = plan_rows(src, dst, n)
     x = torch.randn(n, H, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     want = oracle(x, src, dst, weights_for(plan))
-    got = run_world(4, _gloo_rank, src, dst, n, timeout=240)
-    assert_matches(plan, ({r: y for r, (y, _) in enumerate(got)},
-                          {r: g for r, (_, g) in enumerate(got)}), want, src, dst)
+    got = run_world(4, _gloo_rank, src, dst, n, timeout=300)
+    for mode in range(2):
+        assert_matches(plan, ({r: out[mode][0] for r, out in enumerate(got)},
+                              {r: out[mode][1] for r, out in enumerate(got)}), want, src, dst)
