@@ -80,16 +80,31 @@ def run_reference(plan, x, src_rows, weights):
              for r, g in zip(plan.ranks, grads)})
 
 
+class CountingComm(ThreadComm):
+    """A thread's comm that records the collectives it issues."""
+
+    def __init__(self, world, rank):
+        super().__init__(world, rank)
+        self.issued = []
+
+    def _post(self, kind, ranks, flat, out_splits=(), in_splits=()):
+        self.issued.append((kind, ranks))
+        return super()._post(kind, ranks, flat, out_splits, in_splits)
+
+
 def run_threads(plan, x, src_rows, weights):
-    """Every rank's index_bridge in its own thread, the all_to_alls met in-process."""
+    """Every rank's index_bridge in its own thread, the all_to_alls met in-process; each
+    rank issues exactly one all_to_all over the plan's ranks per direction."""
     world, out, errors = _Rendezvous(), {}, []
 
     def one(rank):
         try:
             piece = pieces_of(x, src_rows, [rank])[rank].requires_grad_()
-            y = index_bridge(plan, piece, comm=ThreadComm(world, rank), rank=rank)
+            comm = CountingComm(world, rank)
+            y = index_bridge(plan, piece, comm=comm, rank=rank)
             (g,) = torch.autograd.grad((y * weights[rank]).sum(), piece, allow_unused=True)
             out[rank] = (y.detach(), torch.zeros_like(piece) if g is None else g)
+            assert comm.issued == [("all_to_all", plan.ranks)] * 2, comm.issued
         except BaseException as err:  # reported below
             errors.append(f"rank {rank}: {type(err).__name__}: {err}")
 
