@@ -6,7 +6,8 @@
 Runs, one after the other so they do not disturb each other's timings:
 
 1. ``plan_quality.py``: bytes per rank vs the lower bound and a leader-based bridge at
-   8-4096 ranks, the alpha-beta cluster model; writes ``plan_quality.txt`` and ``.png``.
+   8-4096 ranks, the alpha-beta cluster model, image-token delivery vs the seed scheme;
+   writes ``plan_quality.txt`` and ``.png``.
 2. ``plan_speed.py``: planning time, whole world to 4096 ranks and one rank's part to
    65,536 ranks -> ``plan_speed.txt``.
 3. ``dtensor_compare.py``: measured on 8 gloo processes, mimo_fx vs DTensor vs an

@@ -1,5 +1,6 @@
 """How good mimo_fx's plans are: bytes per rank against the lower bound, a leader-based
-bridge and an all-reduce-over-CP backward, and what the difference costs on a cluster.
+bridge and an all-reduce-over-CP backward, and what the difference costs on a cluster;
+then the same for image tokens delivered to the CP ranks that use them (Table 3).
 
 For a table of realistic bridges at 8 to 4096 ranks (s = h = 4096, bf16, one sample per
 rank on the wider data-parallel side, so b = lcm of the two DP sizes) it prints:
@@ -42,6 +43,34 @@ rank on the wider data-parallel side, so b = lcm of the two DP sizes) it prints:
   leaders -> broadcast over each src replica). Its peak per-rank bytes and modelled time
   stand beside mimo_fx's.
 
+**Table 3, image-token delivery** (MiB per CP rank; from ``mimo_fx.index``): image
+embeddings (hidden 4096, bf16: 8192 bytes a row) go from an encoder on DP over ranks
+0..N/2-1 to an LLM on CP x DP (cp inner) over ranks N/2..N-1, cp in 2, 4, 8 where it
+fits. Every LLM replica packs the same synthetic batch (``synthetic_batch``: 16 samples,
+64-2048 text tokens and 0-3 images of 256, 576 or 1024 tokens each, seed 0) into one
+zigzag ``mimo_fx.packed.Packing``; encoder rank d*cp + k holds, as one contiguous block,
+the image rows of the k-th block of replica d's samples; CP rank k of replica d needs
+the rows ``mimo_fx.packed.image_rows`` gives it (those in its zigzag chunks).
+``mimo_fx.index.plan_rows`` plans the whole world up to 64 ranks; above, it plans one
+replica with its encoder ranks (replicas are independent and identical, and at 64 ranks
+the whole world's numbers equal one replica's), the ``planned`` column says which.
+
+- fwd recv / bound / bwd sent: the most any CP rank receives forward, the lower bound
+  (``plan.lower_bound()``: the distinct rows it needs), the most it sends back. Every
+  CP rank must receive exactly its bound and send exactly that back, and every encoder
+  rank must get back what it sent; a row where not is flagged ``CHECK`` (exit status 1).
+- seed fwd / seed bwd: the seed scheme per CP rank (``mimo_fx.index.seed_bytes`` / cp):
+  every CP rank receives all the replica's image rows; back, a ring all-reduce of the
+  whole gradient over CP, then each row's gradient to its encoder rank.
+- seed/mimo_fx total (fwd | bwd): both schemes' bytes summed over all ranks; must be
+  >= cp in both directions, else ``CHECK``. seed/mimo_fx peak: seed per CP rank over
+  the busiest CP rank of mimo_fx; below total when the zigzag gives CP ranks unequal
+  shares of the image tokens (it balances tokens, not image tokens).
+- fwd ms / bwd ms: the index bridge, one all_to_all each way (point-to-point, as below).
+  seed fwd ms: encoder rank k sends its block to CP rank k (point-to-point), then a ring
+  all-gather over CP; seed bwd ms: ring all-reduce over CP, then CP rank k returns block
+  k's gradient to encoder rank k. speedup: seed over mimo_fx, forward plus backward.
+
 **The alpha-beta model.** Ranks sit 8 to a node (rank // 8), one NIC per GPU. Link
 classes (constants below; change them for another cluster):
 
@@ -76,17 +105,21 @@ import argparse
 import io
 import math
 import os
+import random
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 from common import collectives, replicas
 from tabulate import tabulate
 
 from mimo_fx import Grid, Layout, backward_plan, plan
 from mimo_fx.explain import step_matrix
+from mimo_fx.index import IndexPlan, plan_rows, seed_bytes
+from mimo_fx.packed import Packing, image_rows
 from mimo_fx.plan import Collective, Exchange, Plan
 
 WORLDS = (8, 64, 512, 4096)
@@ -326,6 +359,197 @@ def plan_seconds(p: Plan) -> float:
     return total
 
 
+# -- image-token delivery -------------------------------------------------------------------
+ROW_BYTES = 4096 * ITEMSIZE  # one image embedding: hidden 4096, bf16
+CPS = (2, 4, 8)
+SAMPLES = 16  # per LLM DP replica
+IMAGE_TOKENS = (256, 576, 1024)  # tokens per image
+BATCH_SEED = 0
+WHOLE_WORLD_UP_TO = 64  # larger worlds plan one LLM replica (replicas are identical)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One LLM DP replica's samples: their token counts, and per image row (sample by
+    sample, image by image) the position of the token it replaces in the unpadded packed
+    sequence."""
+
+    lengths: tuple[int, ...]
+    positions: tuple[int, ...]
+    image_tokens: tuple[int, ...]  # per sample
+
+    @property
+    def sample_rows(self) -> tuple[int, ...]:
+        """Where each sample's image rows start, and the end of the last."""
+        return (0, *accumulate(self.image_tokens))
+
+
+def synthetic_batch(seed: int = BATCH_SEED) -> Batch:
+    """SAMPLES samples of 64-2048 text tokens and 0-3 images of IMAGE_TOKENS tokens each,
+    the images at random places in the text; fixed by ``seed``."""
+    rng = random.Random(seed)
+    lengths: list[int] = []
+    positions: list[int] = []
+    image_tokens: list[int] = []
+    for _ in range(SAMPLES):
+        images = [rng.choice(IMAGE_TOKENS) for _ in range(rng.randint(0, 3))]
+        text = rng.randint(64, 2048)
+        pos, prev = sum(lengths), 0
+        for cut, n in zip(sorted(rng.randint(0, text) for _ in images), images):
+            pos += cut - prev
+            prev = cut
+            positions.extend(range(pos, pos + n))
+            pos += n
+        lengths.append(text + sum(images))
+        image_tokens.append(sum(images))
+    return Batch(tuple(lengths), tuple(positions), tuple(image_tokens))
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Who holds and who needs which image rows: the encoder on DP over ranks 0..N/2-1,
+    the LLM as CP x DP (cp inner) on ranks N/2..N-1; encoder rank d*cp + k encodes the
+    k-th block of samples of LLM replica d, whose CP rank k needs the rows in its zigzag
+    chunks."""
+
+    world: int
+    cp: int
+    replicas: int  # LLM replicas planned
+    rows: int      # image rows per replica
+    src: dict[int, tuple[int, ...]]
+    dst: dict[int, tuple[int, ...]]
+
+
+def delivery(batch: Batch, world: int, cp: int, replicas: int) -> Delivery:
+    """The rows held and needed by the first ``replicas`` LLM replicas and their encoder
+    ranks, replica d's rows numbered d*rows.. onwards."""
+    rows = len(batch.positions)
+    needs = image_rows(Packing(batch.lengths, cp), batch.positions)
+    starts = batch.sample_rows
+    src: dict[int, tuple[int, ...]] = {}
+    dst: dict[int, tuple[int, ...]] = {}
+    for d in range(replicas):
+        base = d * rows
+        for k in range(cp):
+            lo, hi = _samples(k, cp, SAMPLES)
+            src[d * cp + k] = tuple(range(base + starts[lo], base + starts[hi]))
+            dst[world // 2 + d * cp + k] = tuple(base + g for g in needs[k].rows.tolist())
+    return Delivery(world, cp, replicas, rows, src, dst)
+
+
+def _index_pairs(p: IndexPlan, direction: str) -> dict[tuple[int, int], float]:
+    """Bytes each rank sends each other rank in one direction of an index plan."""
+    pairs: dict[tuple[int, int], float] = {}
+    for r, step in zip(p.ranks, p.steps(direction)):
+        for peer, count in zip(p.ranks, step.send_counts):
+            if count:
+                pairs[r, peer] = float(count * ROW_BYTES)
+    return pairs
+
+
+def index_plan_seconds(p: IndexPlan) -> tuple[float, float]:
+    """An index plan's modelled forward and backward: one all_to_all each."""
+    return p2p_seconds(_index_pairs(p, "forward")), p2p_seconds(_index_pairs(p, "backward"))
+
+
+def seed_seconds(dl: Delivery) -> tuple[float, float]:
+    """The seed scheme's modelled forward and backward. Forward: encoder rank k of a
+    replica sends its block to CP rank k (point-to-point), then a ring all-gather over CP
+    gives every CP rank every block. Backward: a ring all-reduce of the whole replica's
+    gradient over CP, then CP rank k returns block k's gradient to encoder rank k."""
+    to_cp: dict[tuple[int, int], float] = {}
+    gather = 0.0
+    for d in range(dl.replicas):
+        cp_ranks = tuple(range(dl.world // 2 + d * dl.cp, dl.world // 2 + (d + 1) * dl.cp))
+        blocks = [len(dl.src[d * dl.cp + k]) for k in range(dl.cp)]
+        for k, c in enumerate(cp_ranks):
+            if blocks[k]:
+                to_cp[d * dl.cp + k, c] = float(blocks[k] * ROW_BYTES)
+        link = link_of(cp_ranks)
+        gather = max(gather, (dl.cp - 1) * link.alpha
+                     + (dl.rows - min(blocks)) * ROW_BYTES / link.beta)
+    t = Traffic({}, {}, 0.0)
+    groups = [tuple(range(dl.world // 2 + d * dl.cp, dl.world // 2 + (d + 1) * dl.cp))
+              for d in range(dl.replicas)]
+    _ring_all_reduce(t, groups, dl.rows * ROW_BYTES)
+    back = {(c, e): n for (e, c), n in to_cp.items()}
+    return p2p_seconds(to_cp) + gather, t.seconds + p2p_seconds(back)
+
+
+@dataclass
+class DeliveryRow:
+    dl: Delivery
+    plan: IndexPlan
+
+    def _cp_max(self, what: Callable[[int], int]) -> float:
+        return float(max(what(r) for r in self.dl.dst) * ROW_BYTES)
+
+    @property
+    def fwd_recv(self) -> float:
+        return self._cp_max(self.plan.received("forward").__getitem__)
+
+    @property
+    def bound(self) -> float:
+        return self._cp_max(self.plan.lower_bound().__getitem__)
+
+    @property
+    def bwd_sent(self) -> float:
+        return self._cp_max(self.plan.sent("backward").__getitem__)
+
+    @property
+    def seed(self) -> dict[str, float]:
+        """The seed scheme's bytes per CP rank (its totals over a replica's CP ranks / cp)."""
+        s = seed_bytes(self.dl.rows, range(self.dl.cp), ROW_BYTES)
+        return {k: v / self.dl.cp for k, v in s.items()}
+
+    def traffic_ratio(self, direction: str) -> float:
+        """Seed bytes over mimo_fx bytes in ``direction``, summed over all ranks."""
+        ours = sum(self.plan.sent(direction).values()) * ROW_BYTES
+        seed = seed_bytes(self.dl.rows, range(self.dl.cp), ROW_BYTES)[direction]
+        return seed * self.dl.replicas / ours if ours else math.inf
+
+    @property
+    def ok(self) -> bool:
+        """Every rank receives its lower bound forward and sends it back, the encoder gets
+        back what it sent, and the seed moves at least cp times as many bytes."""
+        p = self.plan
+        bound = p.lower_bound()
+        return (p.received("forward") == bound
+                and all(p.sent("backward")[r] == bound[r] for r in self.dl.dst)
+                and all(p.received("backward")[r] == p.sent("forward")[r]
+                        for r in self.dl.src)
+                and all(self.traffic_ratio(d) >= self.dl.cp
+                        for d in ("forward", "backward")))
+
+
+def measure_delivery(batch: Batch, world: int, cp: int) -> DeliveryRow:
+    replicas = world // 2 // cp if world <= WHOLE_WORLD_UP_TO else 1
+    dl = delivery(batch, world, cp, replicas)
+    return DeliveryRow(dl, plan_rows(dl.src, dl.dst, replicas * dl.rows))
+
+
+def delivery_table(rows: list[DeliveryRow]) -> str:
+    out = []
+    for r in rows:
+        fwd_s, bwd_s = index_plan_seconds(r.plan)
+        seed_fwd_s, seed_bwd_s = seed_seconds(r.dl)
+        seed = r.seed
+        ratio = (f"{r.traffic_ratio('forward'):.2f} | {r.traffic_ratio('backward'):.2f}"
+                 + ("" if r.ok else " CHECK"))
+        peak = f"{seed['forward'] / r.fwd_recv:.2f} | {seed['backward'] / r.bwd_sent:.2f}"
+        out.append([r.dl.world, r.dl.cp, r.dl.rows, _mib(r.fwd_recv), _mib(r.bound),
+                    _mib(r.bwd_sent), _mib(seed["forward"]), _mib(seed["backward"]),
+                    ratio, peak, _ms(fwd_s), _ms(bwd_s), _ms(seed_fwd_s),
+                    _ms(seed_bwd_s), f"{(seed_fwd_s + seed_bwd_s) / (fwd_s + bwd_s):.2f}x",
+                    "all" if r.dl.replicas * 2 * r.dl.cp == r.dl.world else "one replica"])
+    return tabulate(out, disable_numparse=True, colalign=("right",) * 15 + ("left",),
+                    headers=["N", "cp", "rows/replica", "fwd recv", "bound", "bwd sent",
+                             "seed fwd", "seed bwd", "seed/mimo_fx total",
+                             "seed/mimo_fx peak",
+                             "fwd ms", "bwd ms", "seed fwd ms", "seed bwd ms", "speedup",
+                             "planned"])
+
+
 # -- measuring -------------------------------------------------------------------------------
 @dataclass
 class Row:
@@ -452,8 +676,10 @@ def chart(rows: list[Row], path: str) -> None:
     fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
-def report(worlds: tuple[int, ...]) -> tuple[str, list[Row]]:
+def report(worlds: tuple[int, ...]) -> tuple[str, list[Row], list[DeliveryRow]]:
     rows = [measure(name, build, n) for name, build in CASES for n in worlds]
+    batch = synthetic_batch()
+    images = [measure_delivery(batch, n, cp) for n in worlds for cp in CPS if cp <= n // 2]
     buf = io.StringIO()
     print(f"plan quality: s = h = {S}, bf16, b = lcm(DP sizes); MiB per rank; worlds "
           f"{', '.join(map(str, worlds))}", file=buf)
@@ -469,7 +695,17 @@ def report(worlds: tuple[int, ...]) -> tuple[str, list[Row]]:
     bad = [f"{r.case} N={r.world}" for r in rows if not r.ok]
     print(f"\nmax recv = lower bound on {len(rows) - len(bad)}/{len(rows)} rows"
           + (f"; CHECK: {'; '.join(bad)}" if bad else ""), file=buf)
-    return buf.getvalue(), rows
+    print(f"\nTable 3: image-token delivery, mimo_fx's index-mapped bridge vs the seed "
+          f"scheme (all image rows to every CP rank, all-reduce over CP back); encoder DP on "
+          f"N/2 ranks, LLM CP x DP on the other N/2; per replica {SAMPLES} samples with "
+          f"{len(batch.positions)} image rows in {sum(batch.lengths)} tokens (seed "
+          f"{BATCH_SEED}); rows of {ROW_BYTES} bytes; MiB per CP rank\n", file=buf)
+    print(delivery_table(images), file=buf)
+    bad = [f"N={r.dl.world} cp={r.dl.cp}" for r in images if not r.ok]
+    print(f"\nfwd recv = bound, bwd sent = bound and seed/mimo_fx >= cp on "
+          f"{len(images) - len(bad)}/{len(images)} rows"
+          + (f"; CHECK: {'; '.join(bad)}" if bad else ""), file=buf)
+    return buf.getvalue(), rows, images
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -480,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="print only; do not write bench/results/plan_quality.*")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    text, rows = report(QUICK_WORLDS if args.quick else WORLDS)
+    text, rows, images = report(QUICK_WORLDS if args.quick else WORLDS)
     print(text, end="")
     print(f"(computed in {time.perf_counter() - start:.1f} s)")
     if not (args.quick or args.no_save):
@@ -495,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
             print("matplotlib is not installed (pip install matplotlib): no chart written",
                   file=sys.stderr)
         print(f"wrote {RESULTS}/plan_quality.txt and plan_quality.png")
-    return 0 if all(r.ok for r in rows) else 1
+    return 0 if all(r.ok for r in rows) and all(r.ok for r in images) else 1
 
 
 if __name__ == "__main__":
