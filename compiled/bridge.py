@@ -55,7 +55,7 @@ from .comm import Comm
 from .executor import CompiledExecutor
 from .groups import acquire, check_timeout, process_group, release
 from .p2p import CHECKS, SIZES, Channel, Routed
-from .redistributor import Redistributor
+from .redistributor import Redistributor, cause
 
 __all__ = ["Bridge"]
 
@@ -127,7 +127,7 @@ class Bridge(Redistributor):
             raise MimoFxError(
                 self._context() + f"rank {self.rank} waited in vain for the other ranks' "
                 f"{'size rows' if kind == SIZES else 'check headers'} "
-                f"({err.__class__.__name__}: {str(err).splitlines()[0][:200]}); every rank "
+                f"({cause(err)}); every rank "
                 f"of both grids makes the same calls in the same order "
                 f"(MIMO_FX_CHECK_TIMEOUT={check_timeout():g} s)") from None
 
@@ -155,8 +155,7 @@ class Bridge(Redistributor):
         except RuntimeError as err:
             raise MimoFxError(
                 self._context() + f"rank {self.rank}: the {('forward', 'backward')[direction]} "
-                f"transfer failed ({err.__class__.__name__}: "
-                f"{str(err).splitlines()[0][:200]}); every rank of both grids makes the "
+                f"transfer failed ({cause(err)}); every rank of both grids makes the "
                 f"same calls in the same order") from None
         return out
 

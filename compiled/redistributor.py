@@ -243,7 +243,7 @@ class Redistributor:
         except RuntimeError as err:  # gloo/NCCL timeout or a peer gone
             raise MimoFxError(
                 self._context() + f"rank {self.rank} waited in vain for every rank's size "
-                f"row ({err.__class__.__name__}: {str(err).splitlines()[0][:200]}). Every "
+                f"row ({cause(err)}). Every "
                 f"rank of both grids calls the bridge, giving the same set of sizes "
                 f"(MIMO_FX_CHECK_TIMEOUT={check_timeout():g} s)") from None
         return self._sizes_from(rows, known)
@@ -408,7 +408,7 @@ class Redistributor:
         except RuntimeError as err:  # gloo/NCCL timeout or a peer gone
             raise MimoFxError(
                 self._context() + f"rank {self.rank} waited in vain for every rank's check "
-                f"header ({err.__class__.__name__}: {str(err).splitlines()[0][:200]}). A rank "
+                f"header ({cause(err)}). A rank "
                 f"called this bridge with checked=False, called another bridge or "
                 f"collective, or left; every rank must make the same checked call "
                 f"(MIMO_FX_CHECK_TIMEOUT={check_timeout():g} s)") from None
@@ -565,6 +565,12 @@ def _concrete(n):
     if isinstance(n, tuple):
         return tuple(operator.index(c) for c in n)
     return operator.index(n)
+
+
+def cause(err: BaseException) -> str:
+    """A runtime error in one line, for a message that explains it (gloo and NCCL
+    errors run to many lines)."""
+    return f"{err.__class__.__name__}: {str(err).splitlines()[0][:200]}"
 
 
 def _same(a, b) -> bool:

@@ -274,7 +274,7 @@ def _step_bytes(rank: int, acts: dict, partial: Layout, sizes: dict, sync, micro
         for a, b in ((s, d), backward_layouts(s, d, gp)):
             for r, n in plan(a, b, sizes).bytes_sent.items():
                 per_micro[r] = per_micro.get(r, 0) + n
-    sync_bytes = sum(2 * (len(bk.ranks) - 1) * bk.numel * 4 // len(bk.ranks)
+    sync_bytes = sum(2 * (len(bk.ranks) - 1) * bk.numel * bk.dtype.itemsize // len(bk.ranks)
                      for bk in sync.buckets if rank in bk.ranks)
     return micro * per_micro.get(rank, 0) + sync_bytes
 
