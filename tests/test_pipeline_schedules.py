@@ -248,6 +248,22 @@ def _mistakes(rank: int) -> dict:
         except MimoFxError as err:
             out[who] = str(err)
         bridge.destroy()  # on every rank: groups are created and released alike
+    # a backward before any forward, and the imperative calls under torch.compile
+    bridge = Bridge(Layout(Grid(dp=1), "b h"), Layout(Grid(dp=1, offset=1), "b h"),
+                    dtype=torch.float64)
+    try:
+        bridge.recv_backward() if rank == 0 else bridge.send_backward(None)
+        out["no forward"] = "no error" if rank < 2 else "not involved"
+    except MimoFxError as err:
+        out["no forward"] = str(err)
+    step = torch.compile(lambda x: bridge.send_forward(x, sizes={"b": B, "h": H}),
+                         backend="eager", fullgraph=True)
+    try:
+        step(torch.zeros(B, H, dtype=torch.float64))
+        out["compiled"] = "no error"
+    except Exception as err:  # noqa: BLE001 (Dynamo wraps the error it traced)
+        out["compiled"] = str(err)
+    bridge.destroy()
     return out
 
 
@@ -307,3 +323,11 @@ def test_readme_1f1b_example_matches_the_full_model(world6):
         assert torch.allclose(world6[rank]["example"], want, atol=1e-6), rank
     assert abs(world6[2]["example"] + world6[3]["example"] - loss.item()) < 1e-5
     assert world6[4]["example"] is None
+
+
+def test_imperative_call_mistakes_raise(world6):
+    for rank in range(6):
+        got = world6[rank]["mistakes"]
+        if rank < 2:
+            assert f"rank {rank}: a backward with no forward waiting for it" in got["no forward"]
+        assert "the imperative send/recv calls run eagerly" in got["compiled"], rank
