@@ -45,7 +45,7 @@ import torch
 
 from .errors import MimoFxError
 
-__all__ = ["IndexPlan", "RankBackward", "RankForward", "plan_rows", "seed_bytes"]
+__all__ = ["IndexPlan", "RankBackward", "RankForward", "Route", "plan_rows", "seed_bytes"]
 
 Rows = torch.Tensor | Sequence[int]
 Ints = tuple[int, ...]
@@ -126,6 +126,19 @@ class IndexPlan:
                     out.setdefault(r, {})[f"{direction}_{kind}"] = n * row_bytes
         return out
 
+    def route(self, rank: int, device: torch.device | str | None = None) -> Route:
+        """``rank``'s programs as tensors (see :class:`Route`), indices on ``device``."""
+        i = self.index(rank)
+        f, b = self.forward[i], self.backward[i]
+        index = tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in (
+            f.send_index, f.gather, b.unique, b.keep, b.keep_local, b.send_index,
+            b.recv_local))
+        for t in index:  # any length, 0 and 1 too, without a recompile
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        counts = (*f.send_counts, *f.recv_counts, *b.send_counts, *b.recv_counts, b.n_unique,
+                  b.n_src)
+        return Route(self.ranks, index, torch.tensor(counts, dtype=torch.int64))
+
     def steps(self, direction: str) -> tuple:
         """Every rank's program for ``direction``, in :attr:`ranks` order."""
         if direction not in ("forward", "backward"):
@@ -142,6 +155,71 @@ class IndexPlan:
         if len(lines) == 1:
             lines.append("  (nothing moves)")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True, eq=False)
+class Route:
+    """One rank's part of a plan as tensors: the input a compiled step takes per call, so
+    one graph serves every plan (the indices are graph inputs, the counts become symbolic
+    ints) instead of one graph per plan with the indices baked in.
+
+    ``index``: the int64 index vectors of :class:`RankForward` (``send_index``,
+    ``gather``) and :class:`RankBackward` (``unique``, ``keep``, ``keep_local``,
+    ``send_index``, ``recv_local``). ``counts``: one int64 CPU vector, the forward's
+    send and receive counts, the backward's send and receive counts (one per rank of
+    ``ranks`` each), then ``n_unique`` and ``n_src`` (the rows of this rank's src piece).
+    The index vectors' lengths are marked unbacked for ``torch.compile``, so no length
+    (not even 0 or 1) is specialised on.
+    """
+
+    ranks: Ints
+    index: tuple[torch.Tensor, ...]
+    counts: torch.Tensor
+
+    def split(self, counts: Sequence) -> tuple[Sequence, Sequence, Sequence, Sequence,
+                                               object, object]:
+        """``counts`` (this route's counts as Python or symbolic ints) as forward send,
+        forward receive, backward send, backward receive, ``n_unique``, ``n_src``."""
+        n = len(self.ranks)
+        return (counts[:n], counts[n:2 * n], counts[2 * n:3 * n], counts[3 * n:4 * n],
+                counts[4 * n], counts[4 * n + 1])
+
+
+# -- one rank's steps on a route (shared by every executor) ------------------------------
+def forward_send(route_index: Sequence[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The rows this rank sends, peer by peer."""
+    return x.index_select(0, route_index[0])
+
+
+def forward_take(route_index: Sequence[torch.Tensor], x: torch.Tensor,
+                 got: torch.Tensor) -> torch.Tensor:
+    """This rank's dst piece from its own rows and the rows it received."""
+    return torch.cat([x, got]).index_select(0, route_index[1])
+
+
+def backward_send(route_index: Sequence[torch.Tensor], g: torch.Tensor, n_unique
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dst cotangent summed per distinct row, and the sums this rank sends."""
+    sums = g.new_zeros((n_unique, *g.shape[1:])).index_add_(0, route_index[2], g)
+    return sums, sums.index_select(0, route_index[5])
+
+
+def backward_take(route_index: Sequence[torch.Tensor], sums: torch.Tensor,
+                  got: torch.Tensor, n_src) -> torch.Tensor:
+    """This rank's src gradient: its own uses of rows it holds plus what it received."""
+    grad = sums.new_zeros((n_src, *sums.shape[1:]))
+    grad = grad.index_add(0, route_index[4], sums.index_select(0, route_index[3]))
+    return grad.index_add(0, route_index[6], got)
+
+
+def check_piece(plan: IndexPlan, rank: int, x: object) -> None:
+    """Raise unless ``x`` is ``rank``'s src piece under ``plan``: ``(rows it holds, ...)``."""
+    want = len(plan.src_rows[plan.index(rank)])
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != want:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else x
+        raise MimoFxError(f"rank {rank} holds {want} src rows under this plan, so its src "
+                          f"piece must be ({want}, *row_shape); got {shape} (a rank without "
+                          f"src rows passes an empty (0, *row_shape) tensor)")
 
 
 def seed_bytes(n_rows: int, cp_ranks: Sequence[int], row_bytes: int,

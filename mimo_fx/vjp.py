@@ -26,27 +26,41 @@ class Executor(Protocol):
             env: dict | None = None) -> tuple[torch.Tensor, ...]:
         ...
 
+    # an executor given ``aux`` tensors by :func:`apply` is called as
+    # ``run(plan, tensors, env, aux)`` in both directions
+
 
 class _Redistribute(torch.autograd.Function):
-    # ``job`` is (executor, fwd, bwd, variables, values): one argument, because apply binds
-    # the signature on every call (each parameter costs); the env travels as a tuple of
-    # values (ints, or SymInts under torch.compile) beside its variables' constant tuple
+    # ``job`` is (executor, fwd, bwd, variables, values, n_aux): one argument, because
+    # apply binds the signature on every call (each parameter costs); the env travels as a
+    # tuple of values (ints, or SymInts under torch.compile) beside its variables' constant
+    # tuple; the last ``n_aux`` tensors are aux (inputs the programs read, not
+    # differentiated), saved for the backward
     @staticmethod
     def forward(job, *tensors):
-        executor, fwd, _, variables, values = job
-        return tuple(executor.run(fwd, tensors, _env(variables, values)))
+        executor, fwd, _, variables, values, n_aux = job
+        env = _env(variables, values)
+        if not n_aux:
+            return tuple(executor.run(fwd, tensors, env))
+        cut = len(tensors) - n_aux
+        return tuple(executor.run(fwd, tensors[:cut], env, tensors[cut:]))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.job = inputs[0]
+        n_aux = ctx.job[5]
+        if n_aux:
+            ctx.save_for_backward(*inputs[len(inputs) - n_aux:])
 
     @staticmethod
     def backward(ctx, *grads):
-        executor, _, bwd, variables, values = ctx.job
+        executor, _, bwd, variables, values, n_aux = ctx.job
+        grads = tuple(g.contiguous() for g in grads)
         with torch.no_grad():
-            out = executor.run(bwd, tuple(g.contiguous() for g in grads),
-                               _env(variables, values))
-        return (None, *out)
+            if not n_aux:
+                return (None, *executor.run(bwd, grads, _env(variables, values)))
+            out = executor.run(bwd, grads, _env(variables, values), ctx.saved_tensors)
+        return (None, *out, *(None,) * n_aux)
 
 
 def _env(variables, values) -> dict | None:
@@ -54,8 +68,12 @@ def _env(variables, values) -> dict | None:
 
 
 def apply(executor: Executor, fwd, bwd, tensors, values: tuple | None = None,
-          variables: tuple = ()) -> tuple[torch.Tensor, ...]:
+          variables: tuple = (), aux: tuple[torch.Tensor, ...] = ()
+          ) -> tuple[torch.Tensor, ...]:
     """Run ``fwd`` through the custom vjp whose backward runs ``bwd`` (plans or their
     lowered per-rank programs, whatever the executor runs); template programs take the
-    ``values`` of their ``variables``."""
-    return _Redistribute.apply((executor, fwd, bwd, variables, values), *tensors)
+    ``values`` of their ``variables``. ``aux``: tensors both directions read (e.g. a
+    route's indices, traced as graph inputs rather than baked-in constants), never
+    differentiated."""
+    return _Redistribute.apply((executor, fwd, bwd, variables, values, len(aux)), *tensors,
+                               *aux)

@@ -1,4 +1,4 @@
-"""Index-mapped bridges (mimo_fx.index, mimo_fx.index_bridge) against full-tensor math.
+"""Index-mapped bridges (mimo_fx.index, reference.index, compiled.index) against full-tensor math.
 
 The oracle is ``x_full[idx]`` and autograd of it: each dst rank's piece is the global
 rows it asks for, and every src holder of a row gets that row's full gradient (DESIGN's
@@ -22,9 +22,10 @@ from hypothesis import strategies as st
 from threads import ThreadComm, _Rendezvous
 
 from mimo_fx import MimoFxError
+from mimo_fx.compiled.index import index_bridge
 from mimo_fx.index import plan_rows, seed_bytes
-from mimo_fx.index_bridge import index_bridge, index_bridge_all
 from mimo_fx.packed import Packing, image_rows, pack_shard
+from mimo_fx.reference.index import index_bridge_all
 
 FAST = settings(max_examples=60, deadline=None)
 H = 3  # row width
@@ -101,7 +102,7 @@ def run_threads(plan, x, src_rows, weights):
         try:
             piece = pieces_of(x, src_rows, [rank])[rank].requires_grad_()
             comm = CountingComm(world, rank)
-            y = index_bridge(plan, piece, comm=comm, rank=rank)
+            y = index_bridge(piece, plan.route(rank), comm=comm, rank=rank)
             (g,) = torch.autograd.grad((y * weights[rank]).sum(), piece, allow_unused=True)
             out[rank] = (y.detach(), torch.zeros_like(piece) if g is None else g)
             assert comm.issued == [("all_to_all", plan.ranks)] * 2, comm.issued
@@ -280,42 +281,89 @@ def test_random_plans_over_an_emulated_world(case):
 
 
 # -- four gloo processes ------------------------------------------------------------------
-def _gloo_rank(rank, world, src, dst, n):
-    """This rank's dst piece and src gradient, eagerly and under torch.compile
-    (fullgraph: the bridge traces without a graph break)."""
-    import torch.distributed as dist
+STEPS = 3
 
-    from mimo_fx.compiled.comm import FunctionalComm
 
-    plan = plan_rows(src, dst, n)
-    comm = FunctionalComm({plan.ranks: dist.group.WORLD.group_name})
-    x = torch.randn(n, H, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    weight = weights_for(plan)[rank]
+def gloo_case(step):
+    """Step ``step``'s random packed batch on 4 ranks: sequences of random lengths (some
+    empty, some without images) packed over CP=2 on ranks 2 and 3, image rows held by
+    encoder ranks 0, 1, 2 in uneven contiguous blocks (rank 2 is encoder and LLM)."""
+    gen = torch.Generator().manual_seed(100 + step)
+    lengths = torch.randint(0, 14, (4,), generator=gen).tolist()
+    packing = Packing(lengths, cp=2)
+    is_image = torch.rand(packing.total, generator=gen) < 0.4
+    positions = torch.nonzero(is_image).flatten().tolist()
+    n = len(positions)
+    cuts = sorted(torch.randint(0, n + 1, (2,), generator=gen).tolist())
+    src = {0: list(range(cuts[0])), 1: list(range(cuts[0], cuts[1])),
+           2: list(range(cuts[1], n))}
+    rows = image_rows(packing, positions)
+    dst = {2 + i: rows[i].rows.tolist() for i in range(2)}
+    dst[1] = [0, 0] if n else []  # a non-CP rank that needs a row twice
+    x = torch.randn(n, H, dtype=torch.float64, generator=gen)
+    return src, dst, n, x
 
-    def step(piece):
-        y = index_bridge(plan, piece, comm=comm, rank=rank)
-        return (y * weight).sum(), y
 
-    out = []
-    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
-        piece = pieces_of(x, src, [rank])[rank].requires_grad_()
-        loss, y = fn(piece)
-        (g,) = torch.autograd.grad(loss, piece)
-        out.append((y.detach(), g))
+def _gloo_rank(rank, world):
+    """Per mode (eager, aot_eager, inductor): this rank's dst piece and src gradient at
+    every step, via ``loss.backward()``, and the graphs compiled for all the steps."""
+    from torch._dynamo.utils import counters
+
+    from mimo_fx.compiled.index import IndexBridge
+
+    bridge = IndexBridge(range(world))
+    out = {}
+    for mode in ("eager", "aot_eager", "inductor"):
+        def step(piece, route, weight):
+            y = bridge(piece, route)
+            return (y * weight).sum(), y
+
+        fn = step if mode == "eager" else torch.compile(step, fullgraph=True, backend=mode)
+        torch._dynamo.reset()
+        counters.clear()
+        got = []
+        for k in range(STEPS):
+            src, dst, n, x = gloo_case(k)
+            plan = bridge.plan(src, dst, n)
+            piece = pieces_of(x, src, [rank])[rank].requires_grad_()
+            weight = weights_for(plan, k)[rank]
+            for t in (piece, weight):  # 0 or 1 rows too: no recompile
+                torch._dynamo.decorators.mark_unbacked(t, 0)
+            loss, y = fn(piece, bridge.route(plan), weight)
+            loss.backward()
+            got.append((y.detach(), piece.grad))
+        out[mode] = (got, counters["stats"]["unique_graphs"])
+    # mistakes raise on the rank that makes them, before any collective
+    src, dst, n, x = gloo_case(0)
+    plan = bridge.plan(src, dst, n)
+    wrong = torch.zeros(len(src.get(rank, ())) + 1, H)
+    with pytest.raises(MimoFxError, match=f"rank {rank} holds .* src rows"):
+        bridge(wrong, bridge.route(plan))
+    with pytest.raises(MimoFxError, match="not among this IndexBridge's ranks"):
+        bridge.plan({7: [0]}, {}, 1)
+    with pytest.raises(MimoFxError, match="plan's ranks"):
+        bridge(wrong, plan_rows({0: [0]}, {1: [0]}, 1))
+    bridge.destroy()
+    with pytest.raises(MimoFxError, match="destroyed"):
+        bridge(wrong, plan)
     return out
 
 
-def test_four_gloo_processes_eager_and_compiled():
+def test_four_gloo_processes_one_graph_for_every_plan():
+    """A new plan every step, one compiled graph for all of them (the route's indices
+    are graph inputs), eager, aot_eager and inductor, exact against the oracle."""
     from mimo_fx.testing import run_world
 
-    _, positions, _, src, dst = packed_case((2, 3))
-    src = {0: src[0], 1: src[1][:4], 2: src[1][4:]}  # rank 2 is both encoder and LLM
-    dst[1] = [0, 0, 17]
-    n = len(positions)
-    plan = plan_rows(src, dst, n)
-    x = torch.randn(n, H, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    want = oracle(x, src, dst, weights_for(plan))
-    got = run_world(4, _gloo_rank, src, dst, n, timeout=300)
-    for mode in range(2):
-        assert_matches(plan, ({r: out[mode][0] for r, out in enumerate(got)},
-                              {r: out[mode][1] for r, out in enumerate(got)}), want, src, dst)
+    got = run_world(4, _gloo_rank, timeout=600)
+    for k in range(STEPS):
+        src, dst, n, x = gloo_case(k)
+        plan = plan_rows({r: src.get(r, ()) for r in range(4)},
+                         {r: dst.get(r, ()) for r in range(4)}, n)
+        check_lower_bound(plan)
+        want = oracle(x, src, dst, weights_for(plan, k))
+        for mode in ("eager", "aot_eager", "inductor"):
+            assert_matches(plan, ({r: out[mode][0][k][0] for r, out in enumerate(got)},
+                                  {r: out[mode][0][k][1] for r, out in enumerate(got)}),
+                           want, src, dst)
+    for mode in ("aot_eager", "inductor"):
+        assert [out[mode][1] for out in got] == [1] * 4, f"{mode}: one graph per rank"
