@@ -63,14 +63,13 @@ class _OneRank:
                              "the route's n_src: pass this rank's piece and route")
             send, out_splits, in_splits = forward_send(aux, t), frecv, fsend
         else:
-            sums, send = backward_send(aux, t, n_unique)
-            out_splits, in_splits = brecv, bsend
+            send, out_splits, in_splits = backward_send(aux, t, n_unique), brecv, bsend
         flat = self.comm.all_to_all(send.reshape(-1), [n * row for n in out_splits],
                                     [n * row for n in in_splits], self.route.ranks)
         got = flat.view(-1, *t.shape[1:])
         if direction == "forward":
-            return (forward_take(aux, t, got),)
-        return (backward_take(aux, sums, got, n_src),)
+            return (forward_take(aux, got),)
+        return (backward_take(aux, got, n_src),)
 
 
 def index_bridge(x: torch.Tensor, route: Route, *, comm: Comm, rank: int | None = None
@@ -109,6 +108,11 @@ class IndexBridge:
     ``ranks``: every rank that holds src rows or needs dst rows in any plan this bridge
     runs (e.g. the union of the encoder's and the LLM's grids). Every one of them calls
     the bridge, in the same order, whether or not it holds or needs rows this time.
+
+    Building one sets two global compiler options: Dynamo's ``capture_scalar_outputs``
+    (the route's counts are read as ints) and, off, inductor's
+    ``joint_graph_constant_folding`` (it fails on the zero tensors of unbacked length the
+    backward builds).
     """
 
     def __init__(self, ranks, *, device: torch.device | str | None = None) -> None:
@@ -133,6 +137,13 @@ class IndexBridge:
         # a route's counts are read as Python ints (``.tolist()``), which a compiled graph
         # can only hold as captured scalars
         dynamo_config.capture_scalar_outputs = True
+        from torch._inductor import config as inductor_config
+
+        # inductor's uniform-value constant folding asks whether a zero tensor of an
+        # unbacked length (the backward's per-row sums) is contiguous, a data-dependent
+        # question it cannot answer, and fails the compile (torch 2.13); the pass only
+        # replaces constant tensors by fill calls
+        inductor_config.joint_graph_constant_folding = False
 
     def plan(self, src_rows: Mapping, dst_rows: Mapping, n_rows: int) -> IndexPlan:
         """:func:`mimo_fx.index.plan_rows` over this bridge's ranks (a rank missing from

@@ -130,13 +130,28 @@ class IndexPlan:
         """``rank``'s programs as tensors (see :class:`Route`), indices on ``device``."""
         i = self.index(rank)
         f, b = self.forward[i], self.backward[i]
+        # the rank's own rows take the all_to_all's self split: the dst piece is then one
+        # gather of the received rows, and the src gradient one scatter-add of them
+        own = sorted({k for k in f.gather if k < b.n_src})
+        where = {k: n for n, k in enumerate(own)}
+        at = sum(f.send_counts[:i])
+        send = (*f.send_index[:at], *own, *f.send_index[at:])
+        before = sum(f.recv_counts[:i])  # rows from lower ranks come before the own ones
+        gather = tuple(before + where[k] if k < b.n_src
+                       else k - b.n_src + (len(own) if k - b.n_src >= before else 0)
+                       for k in f.gather)
+        fsend = (*f.send_counts[:i], len(own), *f.send_counts[i + 1:])
+        frecv = (*f.recv_counts[:i], len(own), *f.recv_counts[i + 1:])
+        at, before = sum(b.send_counts[:i]), sum(b.recv_counts[:i])
+        bsend_index = (*b.send_index[:at], *b.keep, *b.send_index[at:])
+        recv_local = (*b.recv_local[:before], *b.keep_local, *b.recv_local[before:])
+        bsend = (*b.send_counts[:i], len(b.keep), *b.send_counts[i + 1:])
+        brecv = (*b.recv_counts[:i], len(b.keep), *b.recv_counts[i + 1:])
         index = tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in (
-            f.send_index, f.gather, b.unique, b.keep, b.keep_local, b.send_index,
-            b.recv_local))
+            send, gather, b.unique, bsend_index, recv_local))
         for t in index:  # any length, 0 and 1 too, without a recompile
             torch._dynamo.decorators.mark_unbacked(t, 0)
-        counts = (*f.send_counts, *f.recv_counts, *b.send_counts, *b.recv_counts, b.n_unique,
-                  b.n_src)
+        counts = (*fsend, *frecv, *bsend, *brecv, b.n_unique, b.n_src)
         return Route(self.ranks, index, torch.tensor(counts, dtype=torch.int64))
 
     def steps(self, direction: str) -> tuple:
@@ -163,11 +178,17 @@ class Route:
     one graph serves every plan (the indices are graph inputs, the counts become symbolic
     ints) instead of one graph per plan with the indices baked in.
 
-    ``index``: the int64 index vectors of :class:`RankForward` (``send_index``,
-    ``gather``) and :class:`RankBackward` (``unique``, ``keep``, ``keep_local``,
-    ``send_index``, ``recv_local``). ``counts``: one int64 CPU vector, the forward's
-    send and receive counts, the backward's send and receive counts (one per rank of
-    ``ranks`` each), then ``n_unique`` and ``n_src`` (the rows of this rank's src piece).
+    The rank's :class:`RankForward` and :class:`RankBackward` with one change: the rows it
+    holds itself travel through the ``all_to_all``'s self split (a local copy, no
+    traffic), so the dst piece is one gather of the received rows and the src gradient one
+    scatter-add of them, with no concatenation (whose buffer a compiler would have to
+    size before the counts are known).
+
+    ``index``: int64 vectors: the forward's ``send_index`` and ``gather`` (into the
+    received rows), the backward's ``unique``, ``send_index`` and ``recv_local``.
+    ``counts``: one int64 CPU vector, the forward's send and receive counts, the
+    backward's send and receive counts (one per rank of ``ranks`` each, the rank's own
+    split included), then ``n_unique`` and ``n_src`` (the rows of its src piece).
     The index vectors' lengths are marked unbacked for ``torch.compile``, so no length
     (not even 0 or 1) is specialised on.
     """
@@ -187,29 +208,27 @@ class Route:
 
 # -- one rank's steps on a route (shared by every executor) ------------------------------
 def forward_send(route_index: Sequence[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """The rows this rank sends, peer by peer."""
+    """The rows this rank sends, peer by peer (itself included)."""
     return x.index_select(0, route_index[0])
 
 
-def forward_take(route_index: Sequence[torch.Tensor], x: torch.Tensor,
-                 got: torch.Tensor) -> torch.Tensor:
-    """This rank's dst piece from its own rows and the rows it received."""
-    return torch.cat([x, got]).index_select(0, route_index[1])
+def forward_take(route_index: Sequence[torch.Tensor], got: torch.Tensor) -> torch.Tensor:
+    """This rank's dst piece from the rows it received (its own among them)."""
+    return got.index_select(0, route_index[1])
 
 
 def backward_send(route_index: Sequence[torch.Tensor], g: torch.Tensor, n_unique
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dst cotangent summed per distinct row, and the sums this rank sends."""
+                  ) -> torch.Tensor:
+    """The dst cotangent summed per distinct row, the sums this rank sends (to itself
+    too: the rows it holds)."""
     sums = g.new_zeros((n_unique, *g.shape[1:])).index_add_(0, route_index[2], g)
-    return sums, sums.index_select(0, route_index[5])
+    return sums.index_select(0, route_index[3])
 
 
-def backward_take(route_index: Sequence[torch.Tensor], sums: torch.Tensor,
-                  got: torch.Tensor, n_src) -> torch.Tensor:
-    """This rank's src gradient: its own uses of rows it holds plus what it received."""
-    grad = sums.new_zeros((n_src, *sums.shape[1:]))
-    grad = grad.index_add(0, route_index[4], sums.index_select(0, route_index[3]))
-    return grad.index_add(0, route_index[6], got)
+def backward_take(route_index: Sequence[torch.Tensor], got: torch.Tensor, n_src
+                  ) -> torch.Tensor:
+    """This rank's src gradient: the sums it received, added at their rows."""
+    return got.new_zeros((n_src, *got.shape[1:])).index_add_(0, route_index[4], got)
 
 
 def check_piece(plan: IndexPlan, rank: int, x: object) -> None:

@@ -47,16 +47,15 @@ class _AllRanks:
             sent = [forward_send(rt.index, x) for rt, x in zip(routes, tensors)]
             cuts = [c[0] for c in counts]
         else:
-            sums, sent = zip(*(backward_send(rt.index, g, c[4])
-                               for rt, g, c in zip(routes, tensors, counts)))
+            sent = [backward_send(rt.index, g, c[4]) for rt, g, c in zip(routes, tensors, counts)]
             cuts = [c[2] for c in counts]
         parts = [torch.split(t, list(cut)) for t, cut in zip(sent, cuts)]
         n = len(plan.ranks)
         got = [torch.cat([parts[i][j] for i in range(n)]) for j in range(n)]
         if direction == "forward":
-            return tuple(forward_take(rt.index, x, r) for rt, x, r in zip(routes, tensors, got))
-        return tuple(backward_take(rt.index, m, r, len(src))
-                     for rt, m, r, src in zip(routes, sums, got, plan.src_rows))
+            return tuple(forward_take(rt.index, r) for rt, r in zip(routes, got))
+        return tuple(backward_take(rt.index, r, len(src))
+                     for rt, r, src in zip(routes, got, plan.src_rows))
 
 
 def index_bridge_all(plan: IndexPlan, pieces: Mapping[int, torch.Tensor]

@@ -1,8 +1,9 @@
-"""The pipelines documentation shows tested code: every python block of the README's
-"Pipelines" section and of docs/pipelines.md is a contiguous run of lines of a file
-under docs/examples/ (compared without indentation), and those files are run against
-the undistributed model by tests/test_pipeline_schedules.py, tests/test_pipelining.py
-and tests/test_sync.py."""
+"""The pipelines and packed-sequence documentation shows tested code: every python block
+of the README's "Pipelines" and "Packed sequences" sections and of docs/pipelines.md is a
+contiguous run of lines of a file under docs/examples/ (compared without indentation),
+and those files are run against the undistributed model (or full-tensor math) by
+tests/test_pipeline_schedules.py, tests/test_pipelining.py, tests/test_sync.py and
+tests/test_index_bridge.py."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def _section(text: str, title: str) -> str:
 
 
 def _blocks() -> list[tuple[str, str]]:
-    readme = _section((ROOT / "README.md").read_text(), "\n## Pipelines")
+    text = (ROOT / "README.md").read_text()
+    readme = _section(text, "\n## Pipelines") + _section(text, "\n## Packed sequences")
     docs = (ROOT / "docs" / "pipelines.md").read_text()
     return [(where, block) for where, text in (("README", readme), ("docs/pipelines.md", docs))
             for block in re.findall(r"```python\n(.*?)```", text, flags=re.S)]
@@ -39,7 +41,7 @@ def _contains(haystack: list[str], needle: list[str]) -> bool:
 
 def test_the_pipelines_docs_have_examples():
     where = [w for w, _ in _blocks()]
-    assert where.count("README") >= 4 and where.count("docs/pipelines.md") >= 3
+    assert where.count("README") >= 5 and where.count("docs/pipelines.md") >= 3
 
 
 @pytest.mark.parametrize("where,block", _blocks(), ids=lambda v: v[:40] if isinstance(v, str)

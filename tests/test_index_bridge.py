@@ -346,15 +346,35 @@ def _gloo_rank(rank, world):
     bridge.destroy()
     with pytest.raises(MimoFxError, match="destroyed"):
         bridge(wrong, plan)
+    out["example"] = _example().step(rank, world)
     return out
 
 
-def test_four_gloo_processes_one_graph_for_every_plan():
-    """A new plan every step, one compiled graph for all of them (the route's indices
-    are graph inputs), eager, aot_eager and inductor, exact against the oracle."""
+def _example():
+    """docs/examples/packed_images.py, the README's example."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "examples" / "packed_images.py"
+    spec = importlib.util.spec_from_file_location("packed_images", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def gloo_world():
+    """Every rank's results of ``_gloo_rank`` (one spawned world for the tests below)."""
     from mimo_fx.testing import run_world
 
-    got = run_world(4, _gloo_rank, timeout=600)
+    return run_world(4, _gloo_rank, timeout=600)
+
+
+def test_four_gloo_processes_one_graph_for_every_plan(gloo_world):
+    """A new plan every step, one compiled graph for all of them (the route's indices
+    are graph inputs), eager, aot_eager and inductor, exact against the oracle."""
+    got = gloo_world
     for k in range(STEPS):
         src, dst, n, x = gloo_case(k)
         plan = plan_rows({r: src.get(r, ()) for r in range(4)},
@@ -367,3 +387,20 @@ def test_four_gloo_processes_one_graph_for_every_plan():
                            want, src, dst)
     for mode in ("aot_eager", "inductor"):
         assert [out[mode][1] for out in got] == [1] * 4, f"{mode}: one graph per rank"
+
+
+def test_the_readme_example_puts_image_rows_at_their_tokens(gloo_world):
+    """The README's packed-images example (run in the world above, under inductor): each
+    LLM rank's input is the packed text with every image row at its token, cut over cp
+    (``pack_shard`` of the full-tensor result), and the encoder gradient summed over the
+    ranks is the full one, ``2 F^T F``, at every step."""
+    got, example = gloo_world, _example()
+    for k in range(3):
+        lengths, is_image, features, text = example.batch(k)
+        full = text.clone()
+        full[is_image] = features
+        want = pack_shard(full, Packing(lengths, cp=2))
+        for c, rank in enumerate((2, 3)):
+            torch.testing.assert_close(got[rank]["example"][k][0], want[c])
+        grad = sum(out["example"][k][1] for out in got)
+        torch.testing.assert_close(grad, 2 * features.T @ features)

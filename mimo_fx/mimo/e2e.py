@@ -13,7 +13,12 @@ undistributed model.
   compiled step serves every length (one graph after Dynamo's first, static, one);
 - **pp_1f1b**: micro-batches in Megatron's 1F1B schedule over three stages -- encoder
   DP2 on ranks 0-1, LLM stage 1 TP2 on ranks 2-3, LLM stage 2 DP4 on ranks 4-7 -- joined
-  by pipelined bridges, each stage's compute compiled (:mod:`mimo_fx.mimo.pipeline`).
+  by pipelined bridges, each stage's compute compiled (:mod:`mimo_fx.mimo.pipeline`);
+- **packed**: samples with 0-3 images of varying token counts and varying text, packed
+  per step; the encoder on DP8, the LLM on DP4 x CP2 with per-sequence zigzag, image
+  embeddings sent straight to the cp rank holding their tokens by an index-mapped bridge,
+  a varlen causal attention in plain torch; one compiled graph for every batch
+  (:mod:`mimo_fx.mimo.packed_job`).
 
 Each step is ``torch.func.grad_and_value`` of the SPMD loss on the process world
 (:class:`mimo_fx.compiled.world.ProcessWorld`), compiled with ``torch.compile`` (backend
@@ -66,6 +71,22 @@ LENGTHS = {"variable": ((8, 4), (6, 10), (10, 2), (4, 12), (2, 18))}
 TOLERANCE = 1e-5  # fp32, max abs parameter difference after the last step
 
 
+def _pipelined(*args, **kwargs) -> dict:
+    from .pipeline import train_pipelined
+
+    return train_pipelined(*args, **kwargs)
+
+
+def _packed(*args, **kwargs) -> dict:
+    from .packed_job import train_packed
+
+    return train_packed(*args, **kwargs)
+
+
+# variants with their own training loop: (rank, steps, backend, lr, say=) -> result
+EXTRA = {"pp_1f1b": _pipelined, "packed": _packed}
+
+
 @dataclass(frozen=True)
 class Run:
     variant: str
@@ -97,11 +118,9 @@ def _train(rank: int, run: Run) -> dict:
     from mimo_fx.compiled.world import ProcessWorld
     from mimo_fx.reference import shard
 
-    if run.variant == "pp_1f1b":
-        from .pipeline import train_pipelined
-
+    if run.variant in EXTRA:
         say = print if run.progress and rank == 0 else None
-        return train_pipelined(rank, run.steps, run.backend, run.lr, say=say)
+        return EXTRA[run.variant](rank, run.steps, run.backend, run.lr, say=say)
     mimo = VARIANTS[run.variant]
     if mimo.world_size != dist.get_world_size():
         raise MimoFxError(f"variant {run.variant!r} needs {mimo.world_size} ranks, the world "
@@ -256,6 +275,15 @@ def check(results: list[dict]) -> list[str]:
         if res["variant"] == "pp_1f1b" and res["backend"] != "eager" and res["graphs"] > 1:
             failures.append(f"pp_1f1b: a stage compiled {res['graphs']} graphs (one serves "
                             f"every micro-batch and step)")
+        if res["variant"] == "packed" and res["backend"] != "eager" and res["graphs"] > 1:
+            failures.append(f"packed: {res['graphs']} compiled graphs (one serves every "
+                            f"batch and packing)")
+        if res["variant"] == "packed":
+            for r in res["rows"]:
+                if not r["image_bytes"] * 2 <= r["seed_image_bytes"]:
+                    failures.append(f"packed step {r['step']}: image delivery moved "
+                                    f"{r['image_bytes']} B, not CP=2x below the seed "
+                                    f"scheme's {r['seed_image_bytes']} B")
         name = res["variant"]
         if not res["param_diff"] <= TOLERANCE:
             failures.append(f"{name}: parameters differ from the undistributed model by "
@@ -270,9 +298,9 @@ def check(results: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mimo_fx.mimo.e2e", description=__doc__.split(
         "\n\n")[0])
-    parser.add_argument("--variant", action="append", choices=sorted(VARIANTS) + ["pp_1f1b"],
+    parser.add_argument("--variant", action="append", choices=sorted(VARIANTS) + sorted(EXTRA),
                         help="layouts to train (repeatable; default: colocated, pipelined, "
-                             "variable and pp_1f1b)")
+                             "variable, pp_1f1b and packed)")
     parser.add_argument("--steps", type=int, default=3, help="SGD steps (default 3)")
     parser.add_argument("--backend", default="aot_eager",
                         help="torch.compile backend (aot_eager, inductor) or 'eager'")
@@ -283,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps {args.steps}: need at least one step")
     from mimo_fx.testing import run_world
 
-    variants = args.variant or ["colocated", "pipelined", "variable", "pp_1f1b"]
+    variants = args.variant or ["colocated", "pipelined", "variable", "pp_1f1b", "packed"]
     runs = [Run(v, steps=args.steps, backend=args.backend, progress=True) for v in variants]
     print(f"training the toy MIMO model on 8 gloo processes: {', '.join(variants)}; "
           f"{args.steps} steps, backend {args.backend} ...", flush=True)

@@ -1,0 +1,317 @@
+"""The main job's packed variant: image tokens straight to their sequence positions.
+
+Every step draws a new batch of 8 samples. A sample is text with 0-3 images at random
+places, each image 1-4 tokens, so its length changes from step to step. Eight ranks,
+colocated (:data:`LAYOUT`):
+
+- the **encoder** runs on DP8: image ``k`` (in batch order) is encoded by rank ``k % 8``
+  (a per-token MLP), so a rank holds whole images, of any sample, or none;
+- the **LLM** runs on DP4 x CP2: dp group ``d`` packs samples ``2d`` and ``2d+1`` into one
+  THD sequence (:class:`~mimo_fx.packed.Packing`), cut over cp per sequence with zigzag.
+  Its layer is a token embedding, one causal attention over each packed sequence (plain
+  torch: a mask from the packing's segment ids and positions) and a linear head.
+
+Two index-mapped bridges (:class:`~mimo_fx.compiled.index.IndexBridge`, one
+``all_to_all`` per direction each) carry the step, planned anew every step from the
+batch's metadata, which every rank knows:
+
+- **images**: each cp rank receives exactly the image embeddings whose tokens fall in
+  its chunks, and places them at their local rows (:func:`~mimo_fx.packed.image_rows`);
+  the backward returns each gradient row to the encoder rank that made it;
+- **keys and values**: each cp rank receives the other cp rank's K/V rows of its packed
+  sequence (the backward sums their gradients back to their owner).
+
+The step (``loss.backward()`` of the rank's part of the loss) is compiled once: the
+bridges' routes, the packing's indices and the data are graph inputs with unbacked
+lengths, so every batch runs in one graph. Gradients are summed over the world (every
+parameter is replicated on every rank), then SGD. Every rank also runs the undistributed
+model sample by sample and compares gradients (every step) and parameters (at the end).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mimo_fx.index import seed_bytes
+from mimo_fx.packed import Packing, image_rows
+
+from .config import MimoParallelism
+from .config import ModuleParallelism as M
+from .report import allreduce, step_row
+
+__all__ = ["LAYOUT", "PackedConfig", "packed_batch", "train_packed"]
+
+LAYOUT = MimoParallelism(world_size=8, colocated=True, modules={
+    "enc": M(dp=8), "llm": M(cp=2, dp=4)})
+
+
+@dataclass(frozen=True)
+class PackedConfig:
+    samples: int = 8      # per step: 2 per LLM dp group
+    features: int = 6     # per image token, into the encoder
+    enc_hidden: int = 8
+    hidden: int = 8
+    vocab: int = 16
+    max_images: int = 3   # per sample
+    max_image_tokens: int = 4
+    max_text: int = 5     # text tokens before, between and after images (each 0..max_text)
+
+
+@dataclass
+class Batch:
+    """One step's samples, as the data loader gives them to every rank."""
+
+    ids: list[torch.Tensor]        # per sample (L,), text token ids (0 at image tokens)
+    is_image: list[torch.Tensor]   # per sample (L,) bool
+    image_tokens: list[int]        # tokens per image, in batch order
+    image_sample: list[int]        # the sample of each image
+    features: torch.Tensor         # (image tokens, features), images in batch order
+    targets: list[torch.Tensor]    # per sample (L, hidden)
+
+
+def packed_batch(cfg: PackedConfig, step: int) -> Batch:
+    gen = torch.Generator().manual_seed(5000 + step)
+
+    def rand(hi: int, lo: int = 0) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    ids, is_image, tokens, sample_of, targets = [], [], [], [], []
+    for b in range(cfg.samples):
+        parts: list[tuple[bool, int]] = [(False, rand(cfg.max_text))]
+        for _ in range(rand(cfg.max_images)):
+            n = rand(cfg.max_image_tokens, 1)
+            parts += [(True, n), (False, rand(cfg.max_text))]
+            tokens.append(n)
+            sample_of.append(b)
+        if sum(n for _, n in parts) == 0:
+            parts.append((False, 1))  # no empty samples in the toy data
+        mask = torch.cat([torch.full((n,), img, dtype=torch.bool) for img, n in parts])
+        is_image.append(mask)
+        ids.append(torch.where(mask, 0, torch.randint(1, cfg.vocab, mask.shape, generator=gen)))
+        targets.append(torch.randn(len(mask), cfg.hidden, generator=gen))
+    features = torch.randn(sum(tokens), cfg.features, generator=gen)
+    return Batch(ids, is_image, tokens, sample_of, features, targets)
+
+
+def init_params(cfg: PackedConfig) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"enc.w1": (cfg.features, cfg.enc_hidden), "enc.w2": (cfg.enc_hidden, cfg.hidden),
+              "llm.emb": (cfg.vocab, cfg.hidden), "llm.wq": (cfg.hidden, cfg.hidden),
+              "llm.wk": (cfg.hidden, cfg.hidden), "llm.wv": (cfg.hidden, cfg.hidden),
+              "llm.wo": (cfg.hidden, cfg.hidden), "llm.head": (cfg.hidden, cfg.hidden)}
+    return {n: torch.randn(*s, generator=gen) / s[0] ** 0.5 for n, s in shapes.items()}
+
+
+def encode(p: dict, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ p["enc.w1"]) @ p["enc.w2"]
+
+
+def attend(p: dict, h: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of the queries ``h`` over keys and values ``kv`` = cat(k, v) rows."""
+    k, v = kv.chunk(2, dim=1)
+    scores = (h @ p["llm.wq"]) @ k.T / h.shape[1] ** 0.5
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=1)
+    return (h + (weights @ v) @ p["llm.wo"]) @ p["llm.head"]
+
+
+def reference_loss(p: dict, batch: Batch) -> torch.Tensor:
+    """The undistributed model, sample by sample, on plain tensors."""
+    embedded = encode(p, batch.features)
+    starts = [0]
+    for n in batch.image_tokens:
+        starts.append(starts[-1] + n)
+    loss, count = embedded.new_zeros(()), 0
+    for b, (ids, mask, target) in enumerate(zip(batch.ids, batch.is_image, batch.targets)):
+        rows = [embedded[starts[k]:starts[k + 1]] for k, s in enumerate(batch.image_sample)
+                if s == b]
+        h = p["llm.emb"][ids]
+        if rows:
+            h = h.index_copy(0, torch.nonzero(mask).flatten(), torch.cat(rows))
+        kv = torch.cat([h @ p["llm.wk"], h @ p["llm.wv"]], dim=1)
+        causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
+        loss = loss + ((attend(p, h, kv, causal) - target) ** 2).sum()
+        count += target.numel()
+    return loss / count
+
+
+@dataclass
+class RankStep:
+    """One rank's inputs for a step: what its compiled step takes, and the plans' bytes."""
+
+    inputs: dict
+    routes: tuple
+    sent: int          # bytes this rank sends through both bridges (forward + backward)
+    image_bytes: int   # the image bridge's bytes, all ranks, forward + backward
+    seed_image_bytes: int  # the same for the seeds' replicate-and-all-reduce scheme
+    count: int         # the loss's global element count
+
+
+def rank_step(cfg: PackedConfig, batch: Batch, rank: int, img_bridge, kv_bridge) -> RankStep:
+    """Plan both bridges for ``batch`` and build ``rank``'s inputs (outside the compiled
+    step; identical plans on every rank)."""
+    llm = LAYOUT.grids()["llm"]
+    dp, cp = llm.axis_size("dp"), llm.axis_size("cp")
+    enc_ranks = LAYOUT.world_size
+    # -- images: global image-token rows, encoder rank k % 8 holding image k's ------------
+    starts = [0]
+    for n in batch.image_tokens:
+        starts.append(starts[-1] + n)
+    src = {r: [t for k in range(r, len(batch.image_tokens), enc_ranks)
+               for t in range(starts[k], starts[k + 1])] for r in range(enc_ranks)}
+    # -- keys and values: global rows are the groups' padded packed tokens ---------------
+    dst_img, local_rows, kv_src, kv_dst, packings = {}, {}, {}, {}, []
+    first_token: dict[int, int] = {}  # each sample's first image-token row
+    for k, b in enumerate(batch.image_sample):
+        first_token.setdefault(b, starts[k])
+    kv_offset = 0
+    for d in range(dp):
+        samples = range(d * cfg.samples // dp, (d + 1) * cfg.samples // dp)
+        packing = Packing([len(batch.ids[b]) for b in samples], cp=cp)
+        packings.append(packing)
+        # the group's image tokens in packed order are its samples' rows in batch order
+        masks = torch.cat([batch.is_image[b] for b in samples])
+        positions = torch.nonzero(masks).flatten()
+        group_rows = [t for b in samples if b in first_token
+                      for t in range(first_token[b], first_token[b]
+                                     + int(batch.is_image[b].sum()))]
+        mine = image_rows(packing, positions)
+        for c in range(cp):
+            r = llm.rank(tp=0, cp=c, pp=0, dp=d)
+            dst_img[r] = [group_rows[j] for j in mine[c].rows.tolist()]
+            local_rows[r] = mine[c].local_rows
+            kv_src[r] = (kv_offset + packing.positions(c)).tolist()
+            kv_dst[r] = list(range(kv_offset, kv_offset + packing.total_padded))
+        kv_offset += packing.total_padded
+    img_plan = img_bridge.plan(src, dst_img, starts[-1])
+    kv_plan = kv_bridge.plan(kv_src, kv_dst, kv_offset)
+    # -- this rank's tensors ------------------------------------------------------------
+    d, c = llm.coord(rank)["dp"], llm.coord(rank)["cp"]
+    packing = packings[d]
+    samples = range(d * cfg.samples // dp, (d + 1) * cfg.samples // dp)
+    token = packing.token_index(c)
+    real = token >= 0
+    take = torch.where(real, token, 0)
+    ids = torch.cat([batch.ids[b] for b in samples])[take]
+    target = torch.cat([batch.targets[b] for b in samples])[take]
+    seg, pos = packing.segment_ids(c), packing.position_in_sequence(c)
+    key_seg = torch.full((packing.total_padded,), -1, dtype=torch.int64)
+    key_pos = torch.zeros(packing.total_padded, dtype=torch.int64)
+    for cc in range(cp):
+        key_seg[packing.positions(cc)] = packing.segment_ids(cc)
+        key_pos[packing.positions(cc)] = packing.position_in_sequence(cc)
+    # a real query sees its own sequence's real keys up to itself; padding queries see
+    # everything (no empty softmax row) and weigh nothing in the loss
+    mask = ((key_seg[None, :] == seg[:, None]) & (key_pos[None, :] <= pos[:, None])
+            & (key_seg[None, :] >= 0)) | (seg[:, None] < 0)
+    inputs = {"features": batch.features[src[rank]], "ids": ids,
+              "image_rows": local_rows[rank], "mask": mask, "target": target,
+              "real": real[:, None].to(target.dtype)}
+    # one graph for every batch: a rank's image tokens may be 0 or 1 (unbacked: no
+    # specialisation), its tokens and its group's padded tokens never are (>= 2 per
+    # sequence: backed, so the attention's shapes stay ones the compiler can reason on)
+    for name in ("features", "image_rows"):
+        torch._dynamo.decorators.mark_unbacked(inputs[name], 0)
+    for name in ("ids", "target", "real", "mask"):
+        torch._dynamo.mark_dynamic(inputs[name], 0)
+    torch._dynamo.mark_dynamic(mask, 1)
+    row = cfg.hidden * 4
+    sent = sum(n for key, n in img_plan.bytes(row)[rank].items() if key.endswith("sent"))
+    sent += sum(n for key, n in kv_plan.bytes(2 * row)[rank].items() if key.endswith("sent"))
+    ours = sum(n for per in img_plan.bytes(row).values() for key, n in per.items()
+               if key.endswith("sent"))
+    seed = 0
+    for d in range(dp):  # every cp rank of a group gets all its rows, gradient all-reduced
+        group = [llm.rank(tp=0, cp=c, pp=0, dp=d) for c in range(cp)]
+        rows = {g for r in group for g in dst_img[r]}
+        held = {r: len(rows & set(src[r])) for r in group}
+        seed += sum(seed_bytes(len(rows), group, row, held).values())
+    count = sum(t.numel() for t in batch.targets)
+    return RankStep(inputs, (img_bridge.route(img_plan), kv_bridge.route(kv_plan)), sent,
+                    ours, seed, count)
+
+
+def _grad(leaf: torch.Tensor) -> torch.Tensor:
+    assert leaf.grad is not None  # every parameter takes part in the loss
+    return leaf.grad
+
+
+def train_packed(rank: int, steps: int, backend: str, lr: float, say=None) -> dict:
+    """Train the packed variant on this rank (all 8 ranks call it); the e2e result dict."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from mimo_fx.compiled.index import IndexBridge
+
+    say = say or (lambda *a, **k: None)
+    cfg = PackedConfig()
+    world = dist.get_world_size()
+    img_bridge, kv_bridge = IndexBridge(range(world)), IndexBridge(range(world))
+    full = init_params(cfg)
+    mine = {n: v.clone().requires_grad_() for n, v in full.items()}
+
+    def loss_fn(p, features, ids, image_rows, mask, target, real, img_route, kv_route, count):
+        images = img_bridge(encode(p, features), img_route)
+        h = p["llm.emb"][ids].index_copy(0, image_rows, images)
+        kv = kv_bridge(torch.cat([h @ p["llm.wk"], h @ p["llm.wv"]], dim=1), kv_route)
+        return (((attend(p, h, kv, mask) - target) * real) ** 2).sum() / count
+
+    step_fn = loss_fn if backend == "eager" else torch.compile(loss_fn, backend=backend,
+                                                                fullgraph=True)
+
+    def run_step(k: int):
+        batch = packed_batch(cfg, k)
+        r = rank_step(cfg, batch, rank, img_bridge, kv_bridge)
+        for v in mine.values():
+            v.grad = None
+        # (the count as a tensor: a Python int would be a constant of the graph)
+        loss = step_fn(mine, **r.inputs, img_route=r.routes[0], kv_route=r.routes[1],
+                       count=torch.tensor(float(r.count)))
+        loss.backward()
+        flat = torch.cat([_grad(v).flatten() for v in mine.values()])
+        dist.all_reduce(flat)  # every parameter is replicated on every rank: sum
+        grads, at = {}, 0
+        for n, v in mine.items():
+            grads[n] = flat[at:at + v.numel()].view_as(v)
+            at += v.numel()
+        return batch, r, loss, grads, flat.numel()
+
+    torch._dynamo.reset()
+    counters.clear()
+    say(f"[packed] compiling the step with {backend}", flush=True)
+    dist.barrier()
+    start = time.perf_counter()
+    run_step(0)  # warm-up: compiles (Dynamo's one graph for every batch)
+    compile_s = time.perf_counter() - start
+    say(f"[packed] compiled in {compile_s:.1f} s", flush=True)
+    rows = []
+    for step in range(1, steps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        batch, r, loss, grads, numel = run_step(step)
+        with torch.no_grad():
+            for n, v in mine.items():
+                v -= lr * grads[n]
+        elapsed = time.perf_counter() - start
+        leaves = {n: v.clone().requires_grad_() for n, v in full.items()}
+        ref = reference_loss(leaves, batch)
+        ref.backward()
+        grad_diff = max(float((grads[n] - _grad(leaves[n])).abs().max()) for n in full)
+        full = {n: (v - lr * _grad(leaves[n])).detach() for n, v in full.items()}
+        sync = 2 * (world - 1) * numel * 4 // world  # ring all-reduce of the gradients
+        rows.append(step_row(step, float(loss.detach()), float(ref.detach()), grad_diff,
+                             r.sent + sync, elapsed))
+        rows[-1]["image_bytes"], rows[-1]["seed_image_bytes"] = r.image_bytes, \
+            r.seed_image_bytes
+        say(f"[packed] step {step}/{steps}: loss {rows[-1]['loss']:.6f} (undistributed "
+            f"{rows[-1]['ref_loss']:.6f}), {rows[-1]['seconds'] * 1e3:.1f} ms", flush=True)
+    param_diff = max(float((mine[n] - full[n]).abs().max()) for n in full)
+    param_diff, compile_s, graphs = allreduce(
+        [param_diff, compile_s, counters["stats"]["unique_graphs"]], dist.ReduceOp.MAX)
+    img_bridge.destroy()
+    kv_bridge.destroy()
+    torch._dynamo.reset()
+    return {"variant": "packed", "backend": backend, "rows": rows, "param_diff": param_diff,
+            "compile_s": compile_s, "graphs": int(graphs)}
