@@ -45,7 +45,8 @@ import torch
 
 from .errors import MimoFxError
 
-__all__ = ["IndexPlan", "RankBackward", "RankForward", "Route", "plan_rows", "seed_bytes"]
+__all__ = ["IndexPlan", "RankBackward", "RankForward", "Route", "layout_rows", "plan_rows",
+           "seed_bytes"]
 
 Rows = torch.Tensor | Sequence[int]
 Ints = tuple[int, ...]
@@ -253,6 +254,52 @@ def seed_bytes(n_rows: int, cp_ranks: Sequence[int], row_bytes: int,
     reduce = 2 * (cp - 1) * n_rows
     back = n_rows - sum(held.get(r, 0) for r in cp_ranks)
     return {"forward": forward * row_bytes, "backward": (reduce + back) * row_bytes}
+
+
+# -- rows of a layout -------------------------------------------------------------------
+def layout_rows(layout, sizes: Mapping[str, object], rows: Sequence[str]
+                ) -> dict[int, list[int]]:
+    """Per holder of ``layout``, the global rows its local tensor holds, in local order:
+    the src side of an index plan from a dense or ragged layout (an encoder's
+    ``(dp b) s h``, or ``(dp t) h`` with ``ragged="dp"``).
+
+    ``rows`` are the layout's leading dims, flattened row-major into global row ids (row
+    ``b * S + s`` for ``("b", "s")``); the rest are a row's features and must not be cut
+    (an index plan moves whole rows: redistribute to a layout with whole rows first).
+    ``sizes`` gives every dim's size (a ragged dim's: its counts). TP replicas list the
+    same rows; a plan then sends each from one of them and returns its gradient to each.
+    """
+    from .layout import Layout
+    from .regions import Tiling, total
+
+    if not isinstance(layout, Layout):
+        raise MimoFxError(f"layout_rows needs a Layout, got {layout!r}")
+    rows = (rows,) if isinstance(rows, str) else tuple(rows)
+    dims = layout.dims
+    if not rows or dims[:len(rows)] != rows:
+        raise MimoFxError(f"layout_rows: rows={rows} must be the leading dims of "
+                          f"{layout.describe()!r}, whose dims are {dims}")
+    missing = [d for d in dims if d not in sizes]
+    if missing:
+        raise MimoFxError(f"layout_rows: give the size of every dim of "
+                          f"{layout.describe()!r}; missing {missing}")
+    cut = [d for d in dims[len(rows):] if layout.sharding[d]]
+    if cut or layout.partial:
+        raise MimoFxError(f"layout_rows: {layout.describe()!r} cuts a row's features "
+                          f"{cut or ''}{' (partial)' if layout.partial else ''}; an index "
+                          f"plan moves whole rows, so redistribute to a layout that keeps "
+                          f"{list(dims[len(rows):])} whole first")
+    tiling = Tiling.of(layout, dims, {d: sizes[d] for d in dims})
+    extents = [total(sizes[d]) for d in rows]  # type: ignore[arg-type]
+    out = {}
+    for rank in layout.holders:
+        ids = torch.zeros((), dtype=torch.int64)
+        for extent, segments in zip(extents, tiling.segments(rank)[:len(rows)]):
+            held = torch.cat([torch.arange(a, b) for a, b in segments]) if segments \
+                else torch.zeros(0, dtype=torch.int64)
+            ids = (ids.unsqueeze(-1) * extent + held).flatten()
+        out[rank] = ids.tolist()
+    return out
 
 
 # -- the planner --------------------------------------------------------------------------

@@ -13,6 +13,7 @@ ownership and needs.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -21,10 +22,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from threads import ThreadComm, _Rendezvous
 
-from mimo_fx import MimoFxError
+from mimo_fx import Grid, Layout, MimoFxError
 from mimo_fx.compiled.index import index_bridge
-from mimo_fx.index import plan_rows, seed_bytes
+from mimo_fx.index import layout_rows, plan_rows, seed_bytes
 from mimo_fx.packed import Packing, image_rows, pack_shard
+from mimo_fx.reference import shard
 from mimo_fx.reference.index import index_bridge_all
 
 FAST = settings(max_examples=60, deadline=None)
@@ -404,3 +406,68 @@ def test_the_readme_example_puts_image_rows_at_their_tokens(gloo_world):
             torch.testing.assert_close(got[rank]["example"][k][0], want[c])
         grad = sum(out["example"][k][1] for out in got)
         torch.testing.assert_close(grad, 2 * features.T @ features)
+
+
+# -- src rows from a layout (dense or ragged encoders) -------------------------------------
+ROW_LAYOUTS = [  # (layout, sizes, rows)
+    (Layout(Grid(dp=4), "(dp b) s h"), {"b": 6, "s": 3, "h": H}, ("b", "s")),
+    (Layout(Grid(tp=2, dp=2), "(dp b) s h"), {"b": 3, "s": 2, "h": H}, ("b", "s")),
+    (Layout(Grid(cp=2, dp=2), "(dp b) (cp s) h", zigzag="cp"), {"b": 2, "s": 8, "h": H},
+     ("b", "s")),
+    (Layout(Grid(dp=3), "(dp t) h", ragged="dp"), {"t": (4, 0, 3), "h": H}, ("t",)),
+    (Layout(Grid(dp=4), "(dp t) h", split="chunk"), {"t": 5, "h": H}, ("t",)),
+    (Layout(Grid(pp=2, dp=2), "(dp b) s h", at={"pp": 1}), {"b": 4, "s": 2, "h": H},
+     ("b", "s")),
+]
+
+
+@pytest.mark.parametrize("layout,sizes,rows", ROW_LAYOUTS,
+                         ids=[lay.describe() for lay, _, _ in ROW_LAYOUTS])
+def test_layout_rows_are_the_rows_the_oracle_gives_each_holder(layout, sizes, rows):
+    """Each holder's rows, against the oracle's piece of a tensor holding its global row
+    id in every feature."""
+    shape = [sum(sizes[d]) if isinstance(sizes[d], tuple) else sizes[d] for d in layout.dims]
+    n = math.prod(shape[:len(rows)])
+    ids = torch.arange(n).reshape(*shape[:len(rows)], 1).expand(*shape).contiguous()
+    counts = {d: sizes[d] for d in layout.ragged_dims}
+    want = {r: t.reshape(-1, H)[:, 0].tolist() for r, t in shard(ids, layout, **counts).items()}
+    assert layout_rows(layout, sizes, rows) == want
+
+
+def test_a_dense_encoder_output_to_a_packed_cp_layout():
+    """Encoder output ``(dp b) s h`` (every sample s tokens) to a packed LLM on CP2 with
+    per-sequence zigzag: each cp rank gets ``pack_shard`` of the flattened batch (padding
+    rows filled locally), and the gradient is autograd's of the full-tensor version."""
+    enc = Layout(Grid(dp=2, offset=2), "(dp b) s h")  # ranks 2, 3; the LLM on ranks 0, 1
+    b, s = 4, 3
+    packing = Packing([s] * b, cp=2)
+    x = torch.randn(b, s, H, dtype=torch.float64)
+    src = layout_rows(enc, {"b": b, "s": s, "h": H}, ("b", "s"))
+    where = image_rows(packing, torch.arange(packing.total))  # every token is a "row"
+    plan = plan_rows(src, {c: where[c].rows for c in range(2)}, b * s)
+    check_lower_bound(plan)
+    pieces = {r: p.requires_grad_() for r, p in shard(x, enc).items()}
+    ys = index_bridge_all(plan, {r: p.reshape(-1, H) for r, p in pieces.items()})
+    full = x.reshape(-1, H).clone().requires_grad_()
+    want = pack_shard(full, packing)
+    weights = {c: torch.randn(packing.local_total, H, dtype=torch.float64) for c in range(2)}
+    loss = 0
+    for c in range(2):
+        local = torch.zeros(packing.local_total, H, dtype=torch.float64)
+        local = local.index_copy(0, where[c].local_rows, ys[c])
+        assert torch.equal(local, want[c])
+        loss = loss + (local * weights[c]).sum()
+    loss.backward()
+    sum((want[c] * weights[c]).sum() for c in range(2)).backward()
+    for r, p in pieces.items():
+        torch.testing.assert_close(p.grad.reshape(-1, H), full.grad[src[r]])
+
+
+def test_layout_rows_mistakes():
+    lay = Layout(Grid(tp=2, dp=2), "(dp b) (tp h)")
+    with pytest.raises(MimoFxError, match="cuts a row's features"):
+        layout_rows(lay, {"b": 2, "h": 4}, ("b",))
+    with pytest.raises(MimoFxError, match="leading dims"):
+        layout_rows(lay, {"b": 2, "h": 4}, ("h",))
+    with pytest.raises(MimoFxError, match="missing"):
+        layout_rows(lay, {"b": 2}, ("b",))

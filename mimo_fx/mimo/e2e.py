@@ -322,6 +322,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{res['variant']}: max parameter difference after {args.steps} steps "
               f"{res['param_diff']:.1e} (tolerance {TOLERANCE:.0e}); compile "
               f"{res['compile_s']:.1f} s, {res['graphs']} graph(s)")
+        if "image_bytes" in res["rows"][0]:
+            ours = sum(r["image_bytes"] for r in res["rows"])
+            seed = sum(r["seed_image_bytes"] for r in res["rows"])
+            print(f"{res['variant']}: image delivery moved {format_bytes(ours, 1)} over "
+                  f"{args.steps} steps (forward + backward, all ranks), the seeds' "
+                  f"replicate-and-all-reduce scheme {format_bytes(seed, 1)} "
+                  f"({seed / max(ours, 1):.1f}x more)")
     failures = check(results)
     print(f"world run took {time.perf_counter() - start:.0f} s; "
           + ("all checks passed" if not failures else "FAILED:\n  " + "\n  ".join(failures)))

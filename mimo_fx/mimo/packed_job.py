@@ -307,7 +307,7 @@ def train_packed(rank: int, steps: int, backend: str, lr: float, say=None) -> di
             r.seed_image_bytes
         say(f"[packed] step {step}/{steps}: loss {rows[-1]['loss']:.6f} (undistributed "
             f"{rows[-1]['ref_loss']:.6f}), {rows[-1]['seconds'] * 1e3:.1f} ms", flush=True)
-    param_diff = max(float((mine[n] - full[n]).abs().max()) for n in full)
+    param_diff = max(float((mine[n].detach() - full[n]).abs().max()) for n in full)
     param_diff, compile_s, graphs = allreduce(
         [param_diff, compile_s, counters["stats"]["unique_graphs"]], dist.ReduceOp.MAX)
     img_bridge.destroy()
