@@ -289,7 +289,7 @@ def layout_rows(layout, sizes: Mapping[str, object], rows: Sequence[str]
                           f"{cut or ''}{' (partial)' if layout.partial else ''}; an index "
                           f"plan moves whole rows, so redistribute to a layout that keeps "
                           f"{list(dims[len(rows):])} whole first")
-    tiling = Tiling.of(layout, dims, {d: sizes[d] for d in dims})
+    tiling = Tiling.of(layout, dims, {d: sizes[d] for d in dims})  # type: ignore[misc]
     extents = [total(sizes[d]) for d in rows]  # type: ignore[arg-type]
     out = {}
     for rank in layout.holders:
