@@ -152,16 +152,51 @@ class RankStep:
 def rank_step(cfg: PackedConfig, batch: Batch, rank: int, img_bridge, kv_bridge) -> RankStep:
     """Plan both bridges for ``batch`` and build ``rank``'s inputs (outside the compiled
     step; identical plans on every rank)."""
+    rows, packings = _rows(cfg, batch)
+    src, dst_img, local_rows, kv_src, kv_dst, n_img, n_kv = rows
+    img_plan = img_bridge.plan(src, dst_img, n_img)
+    kv_plan = kv_bridge.plan(kv_src, kv_dst, n_kv)
+    llm = LAYOUT.grids()["llm"]
+    d, c = llm.coord(rank)["dp"], llm.coord(rank)["cp"]
+    inputs = _inputs(cfg, batch, packings[d], d, c)
+    inputs["features"] = batch.features[src[rank]]
+    inputs["image_rows"] = local_rows[rank]
+    # one graph for every batch: a rank's image tokens may be 0 or 1 (unbacked: no
+    # specialisation), its tokens and its group's padded tokens never are (>= 2 per
+    # sequence: backed, so the attention's shapes stay ones the compiler can reason on)
+    for name in ("features", "image_rows"):
+        torch._dynamo.decorators.mark_unbacked(inputs[name], 0)
+    for name in ("ids", "target", "real", "mask"):
+        torch._dynamo.mark_dynamic(inputs[name], 0)
+    torch._dynamo.mark_dynamic(inputs["mask"], 1)
+    row = cfg.hidden * 4
+    sent = sum(n for key, n in img_plan.bytes(row)[rank].items() if key.endswith("sent"))
+    sent += sum(n for key, n in kv_plan.bytes(2 * row)[rank].items() if key.endswith("sent"))
+    ours = sum(n for per in img_plan.bytes(row).values() for key, n in per.items()
+               if key.endswith("sent"))
+    seed = 0
+    for d in range(llm.axis_size("dp")):  # every cp rank of a group gets all its rows
+        group = list(llm.group_of(llm.rank(tp=0, cp=0, pp=0, dp=d), "cp"))
+        needed = {g for r in group for g in dst_img[r]}
+        held = {r: len(needed & set(src[r])) for r in group}
+        seed += sum(seed_bytes(len(needed), group, row, held).values())
+    count = sum(t.numel() for t in batch.targets)
+    return RankStep(inputs, (img_bridge.route(img_plan), kv_bridge.route(kv_plan)), sent,
+                    ours, seed, count)
+
+
+def _rows(cfg: PackedConfig, batch: Batch):
+    """Both bridges' rows (every rank's, the same on all): image-token rows, encoder rank
+    ``k % 8`` holding image ``k``'s, each cp rank needing those in its chunks; K/V rows are
+    the dp groups' padded packed tokens, each cp rank needing its whole group's."""
     llm = LAYOUT.grids()["llm"]
     dp, cp = llm.axis_size("dp"), llm.axis_size("cp")
     enc_ranks = LAYOUT.world_size
-    # -- images: global image-token rows, encoder rank k % 8 holding image k's ------------
     starts = [0]
     for n in batch.image_tokens:
         starts.append(starts[-1] + n)
     src = {r: [t for k in range(r, len(batch.image_tokens), enc_ranks)
                for t in range(starts[k], starts[k + 1])] for r in range(enc_ranks)}
-    # -- keys and values: global rows are the groups' padded packed tokens ---------------
     dst_img, local_rows, kv_src, kv_dst, packings = {}, {}, {}, {}, []
     first_token: dict[int, int] = {}  # each sample's first image-token row
     for k, b in enumerate(batch.image_sample):
@@ -172,8 +207,7 @@ def rank_step(cfg: PackedConfig, batch: Batch, rank: int, img_bridge, kv_bridge)
         packing = Packing([len(batch.ids[b]) for b in samples], cp=cp)
         packings.append(packing)
         # the group's image tokens in packed order are its samples' rows in batch order
-        masks = torch.cat([batch.is_image[b] for b in samples])
-        positions = torch.nonzero(masks).flatten()
+        positions = torch.nonzero(torch.cat([batch.is_image[b] for b in samples])).flatten()
         group_rows = [t for b in samples if b in first_token
                       for t in range(first_token[b], first_token[b]
                                      + int(batch.is_image[b].sum()))]
@@ -185,11 +219,13 @@ def rank_step(cfg: PackedConfig, batch: Batch, rank: int, img_bridge, kv_bridge)
             kv_src[r] = (kv_offset + packing.positions(c)).tolist()
             kv_dst[r] = list(range(kv_offset, kv_offset + packing.total_padded))
         kv_offset += packing.total_padded
-    img_plan = img_bridge.plan(src, dst_img, starts[-1])
-    kv_plan = kv_bridge.plan(kv_src, kv_dst, kv_offset)
-    # -- this rank's tensors ------------------------------------------------------------
-    d, c = llm.coord(rank)["dp"], llm.coord(rank)["cp"]
-    packing = packings[d]
+    return (src, dst_img, local_rows, kv_src, kv_dst, starts[-1], kv_offset), packings
+
+
+def _inputs(cfg: PackedConfig, batch: Batch, packing: Packing, d: int, c: int) -> dict:
+    """The LLM inputs of cp rank ``c`` of dp group ``d``: token ids, targets, which tokens
+    are real, and the attention mask from the packing's segment ids and positions."""
+    dp = LAYOUT.grids()["llm"].axis_size("dp")
     samples = range(d * cfg.samples // dp, (d + 1) * cfg.samples // dp)
     token = packing.token_index(c)
     real = token >= 0
@@ -199,38 +235,14 @@ def rank_step(cfg: PackedConfig, batch: Batch, rank: int, img_bridge, kv_bridge)
     seg, pos = packing.segment_ids(c), packing.position_in_sequence(c)
     key_seg = torch.full((packing.total_padded,), -1, dtype=torch.int64)
     key_pos = torch.zeros(packing.total_padded, dtype=torch.int64)
-    for cc in range(cp):
+    for cc in range(packing.cp):
         key_seg[packing.positions(cc)] = packing.segment_ids(cc)
         key_pos[packing.positions(cc)] = packing.position_in_sequence(cc)
     # a real query sees its own sequence's real keys up to itself; padding queries see
     # everything (no empty softmax row) and weigh nothing in the loss
     mask = ((key_seg[None, :] == seg[:, None]) & (key_pos[None, :] <= pos[:, None])
             & (key_seg[None, :] >= 0)) | (seg[:, None] < 0)
-    inputs = {"features": batch.features[src[rank]], "ids": ids,
-              "image_rows": local_rows[rank], "mask": mask, "target": target,
-              "real": real[:, None].to(target.dtype)}
-    # one graph for every batch: a rank's image tokens may be 0 or 1 (unbacked: no
-    # specialisation), its tokens and its group's padded tokens never are (>= 2 per
-    # sequence: backed, so the attention's shapes stay ones the compiler can reason on)
-    for name in ("features", "image_rows"):
-        torch._dynamo.decorators.mark_unbacked(inputs[name], 0)
-    for name in ("ids", "target", "real", "mask"):
-        torch._dynamo.mark_dynamic(inputs[name], 0)
-    torch._dynamo.mark_dynamic(mask, 1)
-    row = cfg.hidden * 4
-    sent = sum(n for key, n in img_plan.bytes(row)[rank].items() if key.endswith("sent"))
-    sent += sum(n for key, n in kv_plan.bytes(2 * row)[rank].items() if key.endswith("sent"))
-    ours = sum(n for per in img_plan.bytes(row).values() for key, n in per.items()
-               if key.endswith("sent"))
-    seed = 0
-    for d in range(dp):  # every cp rank of a group gets all its rows, gradient all-reduced
-        group = [llm.rank(tp=0, cp=c, pp=0, dp=d) for c in range(cp)]
-        rows = {g for r in group for g in dst_img[r]}
-        held = {r: len(rows & set(src[r])) for r in group}
-        seed += sum(seed_bytes(len(rows), group, row, held).values())
-    count = sum(t.numel() for t in batch.targets)
-    return RankStep(inputs, (img_bridge.route(img_plan), kv_bridge.route(kv_plan)), sent,
-                    ours, seed, count)
+    return {"ids": ids, "mask": mask, "target": target, "real": real[:, None].to(target.dtype)}
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:
@@ -239,7 +251,10 @@ def _grad(leaf: torch.Tensor) -> torch.Tensor:
 
 
 def train_packed(rank: int, steps: int, backend: str, lr: float, say=None) -> dict:
-    """Train the packed variant on this rank (all 8 ranks call it); the e2e result dict."""
+    """Train the packed variant on this rank (all 8 ranks call it); the e2e result dict.
+
+    Long because it reads as the training script a user writes: the bridges and the
+    compiled step, the warm-up, then the loop checked against the undistributed model."""
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
