@@ -17,7 +17,10 @@ in its own sequence (:meth:`Packing.position_in_sequence`, for RoPE), its sequen
 varlen attention kernel (:meth:`Packing.local_cu_seqlens`). :func:`pack_shard` and
 :func:`pack_unshard` are the oracle between the unpadded packed tensor and the per-rank
 pieces; :func:`image_rows` says which image embeddings each cp rank receives and where
-they go in its storage. Every index comes as a CPU int64 tensor (``.to(device)`` it, or
+they go in its storage. :class:`PackedLayout` lays one packing per dp group over a
+grid (:func:`packed_shard` is its oracle), and :func:`plan_to_packed` /
+:func:`plan_from_packed` plan the index-mapped bridges from any rows into it and back.
+Every index comes as a CPU int64 tensor (``.to(device)`` it, or
 ``.int()`` for a kernel that wants int32 boundaries).
 
 >>> p = Packing([3, 6], cp=2)
@@ -60,8 +63,10 @@ from typing import NamedTuple
 import torch
 
 from .errors import MimoFxError
+from .grid import Grid
 
-__all__ = ["ImageRows", "Packing", "image_rows", "pack_shard", "pack_unshard"]
+__all__ = ["ImageRows", "PackedLayout", "Packing", "image_rows", "pack_shard", "pack_unshard",
+           "packed_shard", "plan_from_packed", "plan_to_packed"]
 
 
 def _int(value: object, what: str, fix: str) -> int:
@@ -348,3 +353,115 @@ def _check_image_positions(packing: Packing, image_positions: object) -> torch.T
         raise MimoFxError(f"image_positions repeat {values[counts > 1].tolist()}; each image "
                           f"embedding replaces one distinct token")
     return t
+
+
+# -- packed layouts over a grid -----------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class PackedLayout:
+    """A packed token dim ``(tokens, ...)`` over a grid: dp group ``d`` packs its samples
+    (``lengths[d]``) into one sequence, cut over the ``cp`` axis per sequence
+    (:class:`Packing`); every other axis replicates.
+
+    The global tensor is every group's unpadded packed tokens, group after group (sample
+    order, as an encoder's ``(dp b) s h`` flattens, or a ragged ``(dp t) h``): global row
+    ``offset[d] + i`` is token ``i`` of group ``d``'s packing. A rank's piece is its cp
+    rank's storage of its group's packing, ``(packing.local_total, ...)``, zero at padding.
+    A grid without a ``dp`` (or ``cp``) axis has one group (or cp = 1).
+
+    >>> from mimo_fx import Grid
+    >>> lay = PackedLayout(Grid(cp=2, dp=2), [[3], [2, 1]], zigzag=False)
+    >>> {r: lay.rows(r).tolist() for r in range(4)}
+    {0: [0, 1], 1: [2, -1], 2: [3, 5], 3: [4, -1]}
+    """
+
+    grid: Grid
+    lengths: tuple[tuple[int, ...], ...]
+    zigzag: bool = True
+    cp: str = "cp"
+    dp: str = "dp"
+    packings: tuple[Packing, ...] = ()  # per dp group
+
+    def __init__(self, grid, lengths: Sequence[Sequence[int]], zigzag: bool = True, *,
+                 cp: str = "cp", dp: str = "dp") -> None:
+        if not isinstance(grid, Grid):
+            raise MimoFxError(f"PackedLayout needs a Grid, got {grid!r}")
+        groups = grid.axis_size(dp) if dp in grid.names else 1
+        if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence) \
+                or len(lengths) != groups:
+            raise MimoFxError(f"PackedLayout lengths must give one list of sample lengths "
+                              f"per {dp} group ({groups} of them), got {lengths!r}")
+        object.__setattr__(self, "grid", grid)
+        object.__setattr__(self, "lengths", tuple(_check_lengths(g) for g in lengths))
+        object.__setattr__(self, "zigzag", zigzag)
+        object.__setattr__(self, "cp", cp)
+        object.__setattr__(self, "dp", dp)
+        n_cp = grid.axis_size(cp) if cp in grid.names else 1
+        object.__setattr__(self, "packings",
+                           tuple(Packing(g, n_cp, zigzag) for g in self.lengths))
+
+    @property
+    def total(self) -> int:
+        """Rows of the global (unpadded) tensor."""
+        return sum(p.total for p in self.packings)
+
+    def _where(self, rank: int) -> tuple[int, int]:
+        if rank not in self.grid:
+            raise MimoFxError(f"rank {rank} is not in this PackedLayout's grid {self.grid}")
+        coord = self.grid.coord(rank)
+        return coord.get(self.dp, 0), coord.get(self.cp, 0)
+
+    def packing(self, rank: int) -> Packing:
+        """The packing of ``rank``'s dp group."""
+        return self.packings[self._where(rank)[0]]
+
+    def rows(self, rank: int) -> torch.Tensor:
+        """Per local row of ``rank``'s piece, its global row (-1 at padding)."""
+        d, c = self._where(rank)
+        offset = sum(p.total for p in self.packings[:d])
+        token = self.packings[d].token_index(c)
+        return torch.where(token >= 0, token + offset, -1)
+
+
+def packed_shard(x: torch.Tensor, layout: PackedLayout) -> dict[int, torch.Tensor]:
+    """The oracle: every rank's piece of the global packed tensor ``x`` ``(total, ...)``,
+    cut group by group with :func:`pack_shard`. Differentiable."""
+    if x.dim() == 0 or x.shape[0] != layout.total:
+        raise MimoFxError(f"packed_shard: x has shape {tuple(x.shape)}; its first dim must be "
+                          f"the layout's {layout.total} packed tokens")
+    groups = torch.split(x, [p.total for p in layout.packings])
+    cut = [pack_shard(g, p) for g, p in zip(groups, layout.packings)]
+    out = {}
+    for rank in layout.grid.ranks:
+        d, c = layout._where(rank)
+        out[rank] = cut[d][c]
+    return out
+
+
+def plan_to_packed(src_rows: Mapping[int, Sequence[int]], layout: PackedLayout):
+    """The index plan from src ranks holding global rows (``src_rows``, e.g.
+    :func:`mimo_fx.index.layout_rows` of an encoder's layout) to ``layout``, and per rank
+    where its received rows go: ``piece = zeros(local_total, ...).index_copy(0,
+    where[rank], received)``. Returns ``(plan, where)``."""
+    from .index import plan_rows
+
+    dst, where = {}, {}
+    for rank in layout.grid.ranks:
+        rows = layout.rows(rank)
+        real = rows >= 0
+        dst[rank], where[rank] = rows[real].tolist(), torch.nonzero(real).flatten()
+    return plan_rows(src_rows, dst, layout.total), where
+
+
+def plan_from_packed(layout: PackedLayout, dst_rows: Mapping[int, Sequence[int]]):
+    """The index plan from ``layout`` back to ranks needing global rows (``dst_rows``, e.g.
+    :func:`mimo_fx.index.layout_rows` of a loss layout); a rank's src piece is its real
+    rows, ``piece.index_select(0, real[rank])`` (cp replicas over other axes each send
+    their share). Returns ``(plan, real)``."""
+    from .index import plan_rows
+
+    src, real = {}, {}
+    for rank in layout.grid.ranks:
+        rows = layout.rows(rank)
+        keep = rows >= 0
+        src[rank], real[rank] = rows[keep].tolist(), torch.nonzero(keep).flatten()
+    return plan_rows(src, dst_rows, layout.total), real
