@@ -232,14 +232,14 @@ def backward_take(route_index: Sequence[torch.Tensor], got: torch.Tensor, n_src
     return got.new_zeros((n_src, *got.shape[1:])).index_add_(0, route_index[4], got)
 
 
-def check_piece(plan: IndexPlan, rank: int, x: object) -> None:
-    """Raise unless ``x`` is ``rank``'s src piece under ``plan``: ``(rows it holds, ...)``."""
-    want = len(plan.src_rows[plan.index(rank)])
+def check_piece(want: int, who: str, x: object) -> None:
+    """Raise unless ``x`` is a src piece of ``want`` rows, ``(want, *row_shape)``; ``who``
+    names the rank ("rank 3")."""
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != want:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else x
-        raise MimoFxError(f"rank {rank} holds {want} src rows under this plan, so its src "
-                          f"piece must be ({want}, *row_shape); got {shape} (a rank without "
-                          f"src rows passes an empty (0, *row_shape) tensor)")
+        raise MimoFxError(f"{who} holds {want} src rows under this plan, so its src piece "
+                          f"must be ({want}, *row_shape); got {shape} (a rank without src "
+                          f"rows passes an empty (0, *row_shape) tensor)")
 
 
 def seed_bytes(n_rows: int, cp_ranks: Sequence[int], row_bytes: int,

@@ -437,6 +437,17 @@ def packed_shard(x: torch.Tensor, layout: PackedLayout) -> dict[int, torch.Tenso
     return out
 
 
+def _real_rows(layout: PackedLayout) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
+    """Per rank of ``layout``'s grid, the global rows of its real (non-padding) tokens and
+    where those sit in its piece."""
+    rows, where = {}, {}
+    for rank in layout.grid.ranks:
+        ids = layout.rows(rank)
+        real = ids >= 0
+        rows[rank], where[rank] = ids[real].tolist(), torch.nonzero(real).flatten()
+    return rows, where
+
+
 def plan_to_packed(src_rows: Mapping[int, Sequence[int]], layout: PackedLayout):
     """The index plan from src ranks holding global rows (``src_rows``, e.g.
     :func:`mimo_fx.index.layout_rows` of an encoder's layout) to ``layout``, and per rank
@@ -444,24 +455,16 @@ def plan_to_packed(src_rows: Mapping[int, Sequence[int]], layout: PackedLayout):
     where[rank], received)``. Returns ``(plan, where)``."""
     from .index import plan_rows
 
-    dst, where = {}, {}
-    for rank in layout.grid.ranks:
-        rows = layout.rows(rank)
-        real = rows >= 0
-        dst[rank], where[rank] = rows[real].tolist(), torch.nonzero(real).flatten()
+    dst, where = _real_rows(layout)
     return plan_rows(src_rows, dst, layout.total), where
 
 
 def plan_from_packed(layout: PackedLayout, dst_rows: Mapping[int, Sequence[int]]):
     """The index plan from ``layout`` back to ranks needing global rows (``dst_rows``, e.g.
     :func:`mimo_fx.index.layout_rows` of a loss layout); a rank's src piece is its real
-    rows, ``piece.index_select(0, real[rank])`` (cp replicas over other axes each send
-    their share). Returns ``(plan, real)``."""
+    rows, ``piece.index_select(0, real[rank])`` (replicas over other axes each hold them;
+    the plan sends each row from one). Returns ``(plan, real)``."""
     from .index import plan_rows
 
-    src, real = {}, {}
-    for rank in layout.grid.ranks:
-        rows = layout.rows(rank)
-        keep = rows >= 0
-        src[rank], real[rank] = rows[keep].tolist(), torch.nonzero(keep).flatten()
+    src, real = _real_rows(layout)
     return plan_rows(src, dst_rows, layout.total), real

@@ -75,7 +75,7 @@ def index_bridge_all(plan: IndexPlan, pieces: Mapping[int, torch.Tensor]
         x = pieces.get(r)
         if x is None:
             x = like.new_zeros((0, *like.shape[1:]))
-        check_piece(plan, r, x)
+        check_piece(len(plan.src_rows[plan.index(r)]), f"rank {r}", x)
         tensors.append(x)
     out = vjp.apply(_AllRanks(), (plan, "forward"), (plan, "backward"), tuple(tensors))
     return dict(zip(plan.ranks, out))

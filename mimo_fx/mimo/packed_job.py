@@ -152,13 +152,13 @@ class RankStep:
 def rank_step(cfg: PackedConfig, batch: Batch, rank: int, img_bridge, kv_bridge) -> RankStep:
     """Plan both bridges for ``batch`` and build ``rank``'s inputs (outside the compiled
     step; identical plans on every rank)."""
-    rows, packings = _rows(cfg, batch)
+    llm = LAYOUT.grids()["llm"]
+    rows, packings = _rows(cfg, batch, llm)
     src, dst_img, local_rows, kv_src, kv_dst, n_img, n_kv = rows
     img_plan = img_bridge.plan(src, dst_img, n_img)
     kv_plan = kv_bridge.plan(kv_src, kv_dst, n_kv)
-    llm = LAYOUT.grids()["llm"]
     d, c = llm.coord(rank)["dp"], llm.coord(rank)["cp"]
-    inputs = _inputs(cfg, batch, packings[d], d, c)
+    inputs = _inputs(batch, _samples(cfg, llm, d), packings[d], c)
     inputs["features"] = batch.features[src[rank]]
     inputs["image_rows"] = local_rows[rank]
     # one graph for every batch: a rank's image tokens may be 0 or 1 (unbacked: no
@@ -185,11 +185,16 @@ def rank_step(cfg: PackedConfig, batch: Batch, rank: int, img_bridge, kv_bridge)
                     ours, seed, count)
 
 
-def _rows(cfg: PackedConfig, batch: Batch):
+def _samples(cfg: PackedConfig, llm, d: int) -> range:
+    """The samples dp group ``d`` packs: a contiguous block of the batch."""
+    dp = llm.axis_size("dp")
+    return range(d * cfg.samples // dp, (d + 1) * cfg.samples // dp)
+
+
+def _rows(cfg: PackedConfig, batch: Batch, llm):
     """Both bridges' rows (every rank's, the same on all): image-token rows, encoder rank
     ``k % 8`` holding image ``k``'s, each cp rank needing those in its chunks; K/V rows are
     the dp groups' padded packed tokens, each cp rank needing its whole group's."""
-    llm = LAYOUT.grids()["llm"]
     dp, cp = llm.axis_size("dp"), llm.axis_size("cp")
     enc_ranks = LAYOUT.world_size
     starts = [0]
@@ -203,7 +208,7 @@ def _rows(cfg: PackedConfig, batch: Batch):
         first_token.setdefault(b, starts[k])
     kv_offset = 0
     for d in range(dp):
-        samples = range(d * cfg.samples // dp, (d + 1) * cfg.samples // dp)
+        samples = _samples(cfg, llm, d)
         packing = Packing([len(batch.ids[b]) for b in samples], cp=cp)
         packings.append(packing)
         # the group's image tokens in packed order are its samples' rows in batch order
@@ -222,11 +227,10 @@ def _rows(cfg: PackedConfig, batch: Batch):
     return (src, dst_img, local_rows, kv_src, kv_dst, starts[-1], kv_offset), packings
 
 
-def _inputs(cfg: PackedConfig, batch: Batch, packing: Packing, d: int, c: int) -> dict:
-    """The LLM inputs of cp rank ``c`` of dp group ``d``: token ids, targets, which tokens
-    are real, and the attention mask from the packing's segment ids and positions."""
-    dp = LAYOUT.grids()["llm"].axis_size("dp")
-    samples = range(d * cfg.samples // dp, (d + 1) * cfg.samples // dp)
+def _inputs(batch: Batch, samples: range, packing: Packing, c: int) -> dict:
+    """The LLM inputs of cp rank ``c`` of the dp group packing ``samples``: token ids,
+    targets, which tokens are real, and the attention mask from the packing's segment ids
+    and positions."""
     token = packing.token_index(c)
     real = token >= 0
     take = torch.where(real, token, 0)
