@@ -11,6 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"mimo_fx": ROOT / "mimo_fx", "mimo_fx.mimo": ROOT / "mimo_fx" / "mimo",
+            "mimo_fx.jobs": ROOT / "mimo_fx" / "jobs",
             "mimo_fx.interop": ROOT / "mimo_fx" / "interop",
             "mimo_fx.testing": ROOT / "mimo_fx" / "testing",
             "mimo_fx.reference": ROOT / "reference", "mimo_fx.compiled": ROOT / "compiled"}
@@ -79,7 +80,7 @@ def test_no_import_cycle():
 def test_the_core_imports_no_backend():
     modules = _modules()
     known = set(modules)
-    upper = ("mimo_fx.compiled", "mimo_fx.reference", "mimo_fx.op", "mimo_fx.mimo",
+    upper = ("mimo_fx.compiled", "mimo_fx.reference", "mimo_fx.op", "mimo_fx.mimo", "mimo_fx.jobs",
              "mimo_fx.interop", "mimo_fx.testing")
     for core in ("grid", "layout", "regions", "plan", "local", "vjp", "errors"):
         name = f"mimo_fx.{core}"

@@ -5,7 +5,7 @@ The colocated fan-in into zigzag CP, the pipelined disjoint grids and the variab
 variant (image and text lengths changing every step) run compiled
 (``torch.compile(fullgraph=True)``, aot_eager: a graph break would raise); fan-out and
 equal run eager. Every rank compares its synchronised gradients each step and its
-parameters at the end with the undistributed model's (``mimo_fx.mimo.e2e``); the
+parameters at the end with the undistributed model's (``mimo_fx.jobs.e2e``); the
 variable variant compiles at most 2 graphs for every length. The pp_1f1b variant trains
 4 micro-batches per step in Megatron's 1F1B over three stages with each stage's compute
 compiled by inductor, ``loss.backward()`` per micro-batch, one graph per stage. The
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from mimo_fx.mimo.e2e import TOLERANCE, Run, check, train_worker
+from mimo_fx.jobs.e2e import TOLERANCE, Run, check, train_worker
 from mimo_fx.testing import run_world
 
 RUNS = [Run("colocated", steps=2), Run("pipelined", steps=2), Run("variable", steps=4),

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mimo_fx.jobs.toy import ToyConfig, ToyMimo, finalize_grads
 from mimo_fx.mimo import ModuleParallelism as M
-from mimo_fx.mimo.toy import ToyConfig, ToyMimo, finalize_grads
 from mimo_fx.reference import ReferenceWorld, shard
 
 CFG = ToyConfig()

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from mimo_fx import MimoFxError
+from mimo_fx.jobs.toy import ToyConfig, ToyMimo
 from mimo_fx.mimo import ModuleParallelism as M
 from mimo_fx.mimo.grads import ModuleGrads
-from mimo_fx.mimo.toy import ToyConfig, ToyMimo
 from mimo_fx.reference import ReferenceWorld, shard
 
 CFG = ToyConfig()

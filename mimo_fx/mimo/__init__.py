@@ -1,9 +1,8 @@
 """The MIMO layer, built on the core: per-module parallelism from a config
 (:mod:`.config`), model code written once for every backend (:mod:`.spmd`), gradients of
-several modules (:mod:`.grads`), gradient sums for plain ``nn.Module`` s and tied
-embeddings (:mod:`.sync`), a toy MIMO model (:mod:`.toy`) and the end-to-end job
-that trains it against the undistributed model (:mod:`.e2e`, ``python -m
-mimo_fx.mimo.e2e``)."""
+several modules (:mod:`.grads`), and gradient sums for plain ``nn.Module`` s and tied
+embeddings (:mod:`.sync`). The jobs that train a model with it live in
+:mod:`mimo_fx.jobs`."""
 
 from .config import (
     MimoParallelism,

@@ -28,9 +28,8 @@ import torch
 
 from mimo_fx.grid import Grid
 from mimo_fx.layout import Layout
-
-from .grads import finalize_grads
-from .spmd import Pieces, World, local
+from mimo_fx.mimo.grads import finalize_grads
+from mimo_fx.mimo.spmd import Pieces, World, local
 
 __all__ = ["ToyConfig", "ToyMimo", "finalize_grads"]
 

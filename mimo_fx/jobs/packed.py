@@ -36,10 +36,10 @@ from dataclasses import dataclass
 import torch
 
 from mimo_fx.index import seed_bytes
+from mimo_fx.mimo.config import MimoParallelism
+from mimo_fx.mimo.config import ModuleParallelism as M
 from mimo_fx.packed import Packing, image_rows
 
-from .config import MimoParallelism
-from .config import ModuleParallelism as M
 from .report import allreduce, step_row
 
 __all__ = ["LAYOUT", "PackedConfig", "packed_batch", "train_packed"]

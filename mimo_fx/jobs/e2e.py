@@ -1,8 +1,8 @@
 """End-to-end: the toy MIMO model trained on one process per rank, checked against the
 undistributed model.
 
-``python -m mimo_fx.mimo.e2e`` spawns 8 gloo processes on 127.0.0.1 and trains the toy model
-(:mod:`mimo_fx.mimo.toy`) for a few SGD steps in two layouts:
+``python -m mimo_fx.jobs`` spawns 8 gloo processes on 127.0.0.1 and trains the toy model
+(:mod:`mimo_fx.jobs.toy`) for a few SGD steps in two layouts:
 
 - **colocated**: encoder TP2xDP4 and LLM TP2xCP2xDP2 on the same 8 ranks (fan-in bridge
   into zigzag CP);
@@ -13,12 +13,12 @@ undistributed model.
   compiled step serves every length (one graph after Dynamo's first, static, one);
 - **pp_1f1b**: micro-batches in Megatron's 1F1B schedule over three stages -- encoder
   DP2 on ranks 0-1, LLM stage 1 TP2 on ranks 2-3, LLM stage 2 DP4 on ranks 4-7 -- joined
-  by pipelined bridges, each stage's compute compiled (:mod:`mimo_fx.mimo.pipeline`);
+  by pipelined bridges, each stage's compute compiled (:mod:`mimo_fx.jobs.pp_1f1b`);
 - **packed**: samples with 0-3 images of varying token counts and varying text, packed
   per step; the encoder on DP8, the LLM on DP4 x CP2 with per-sequence zigzag, image
   embeddings sent straight to the cp rank holding their tokens by an index-mapped bridge,
   a varlen causal attention in plain torch; one compiled graph for every batch
-  (:mod:`mimo_fx.mimo.packed_job`).
+  (:mod:`mimo_fx.jobs.packed`).
 
 Each step is ``torch.func.grad_and_value`` of the SPMD loss on the process world
 (:class:`mimo_fx.compiled.world.ProcessWorld`), compiled with ``torch.compile`` (backend
@@ -42,11 +42,11 @@ from dataclasses import dataclass
 import torch
 
 from mimo_fx.errors import MimoFxError
+from mimo_fx.mimo.config import MimoParallelism
+from mimo_fx.mimo.config import ModuleParallelism as M
+from mimo_fx.mimo.grads import ModuleGrads
 from mimo_fx.plan import format_bytes
 
-from .config import MimoParallelism
-from .config import ModuleParallelism as M
-from .grads import ModuleGrads
 from .report import allreduce, step_row
 from .toy import ToyConfig, ToyMimo
 
@@ -72,13 +72,13 @@ TOLERANCE = 1e-5  # fp32, max abs parameter difference after the last step
 
 
 def _pipelined(*args, **kwargs) -> dict:
-    from .pipeline import train_pipelined
+    from .pp_1f1b import train_pipelined
 
     return train_pipelined(*args, **kwargs)
 
 
 def _packed(*args, **kwargs) -> dict:
-    from .packed_job import train_packed
+    from .packed import train_packed
 
     return train_packed(*args, **kwargs)
 
@@ -296,7 +296,7 @@ def check(results: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mimo_fx.mimo.e2e", description=__doc__.split(
+    parser = argparse.ArgumentParser(prog="python -m mimo_fx.jobs", description=__doc__.split(
         "\n\n")[0])
     parser.add_argument("--variant", action="append", choices=sorted(VARIANTS) + sorted(EXTRA),
                         help="layouts to train (repeatable; default: colocated, pipelined, "

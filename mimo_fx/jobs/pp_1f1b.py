@@ -109,10 +109,10 @@ def train_pipelined(rank: int, steps: int = 3, backend: str = "aot_eager", lr: f
     import torch.distributed as dist
 
     from mimo_fx.compiled import Bridge, Redistributor
+    from mimo_fx.mimo.sync import GradSync
     from mimo_fx.reference import shard
 
     from .report import step_row
-    from .sync import GradSync
 
     say = say or (lambda *a, **k: None)
     enc, llm1, llm2 = GRIDS["enc"], GRIDS["llm1"], GRIDS["llm2"]
