@@ -1,4 +1,7 @@
-"""mimo_fx.testing.run_world: results by rank, and a failing rank reported as the cause."""
+"""mimo_fx.testing: run_world's results by rank, and a failing rank reported as the cause
+rather than the peers that lost it; a World running many functions in the same
+processes, each from the same state, torn down and spawned again after a function that
+raises, dies, hangs or ends its world; Worlds keeping at most so many processes."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import pytest
 import torch
 
 from mimo_fx import MimoFxError
-from mimo_fx.testing import WorldError, run_world
+from mimo_fx.testing import World, WorldError, Worlds, run_world
 
 
 def _sum_of_ranks(rank: int, world: int, scale: int) -> int:
@@ -32,6 +35,68 @@ def _rank_one_hangs(rank: int, world: int) -> None:
         time.sleep(600)  # never returns in time
 
 
+def _rank_one_dies(rank: int, world: int) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))
+
+
+def _leaves_its_world(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return rank
+
+
+def _state(rank: int, world: int) -> dict:
+    """What a function could find changed by the one before it."""
+    import logging
+    import os
+    import warnings
+
+    import torch._dynamo
+    import torch._inductor.config
+    from torch._dynamo.utils import counters
+
+    return {"pid": os.getpid(), "env": {k: os.environ.get(k) for k in
+                                        ("LEFT_BEHIND", "GIVEN", "TORCH_FR_BUFFER_SIZE")},
+            "cwd": os.getcwd(), "random": torch.rand(2).tolist(),
+            "dtype": torch.get_default_dtype(), "threads": torch.get_num_threads(),
+            "grad": torch.is_grad_enabled(), "counters": sum(map(len, counters.values())),
+            "cache_size_limit": torch._dynamo.config.cache_size_limit,
+            "compile_threads": torch._inductor.config.compile_threads,
+            "logger": (logging.getLogger("mimo_fx").level,
+                       len(logging.getLogger("mimo_fx").handlers)),
+            "warnings": len(warnings.filters)}
+
+
+def _dirty(rank: int, world: int) -> None:
+    import logging
+    import os
+    import warnings
+
+    import torch._dynamo
+    import torch._inductor.config
+
+    os.environ["LEFT_BEHIND"] = "1"
+    os.environ.pop("GIVEN")
+    os.chdir("/")
+    torch.manual_seed(rank + 1)
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(2)
+    torch._dynamo.config.cache_size_limit = 1
+    torch._inductor.config.compile_threads = 7
+    logging.getLogger("mimo_fx").setLevel(logging.DEBUG)
+    logging.getLogger("mimo_fx").addHandler(logging.NullHandler())
+    warnings.simplefilter("error")
+    torch.compile(lambda t: t * 2, backend="eager")(torch.ones(2))  # counters, caches
+    torch.set_grad_enabled(False)
+
+
 def test_results_by_rank_and_errors():
     assert run_world(2, _sum_of_ranks, 10) == [10, 10]
     # the rank that raised is reported, not the peer whose collective lost it
@@ -41,7 +106,64 @@ def test_results_by_rank_and_errors():
         run_world(0, _sum_of_ranks, 1)
 
 
+@pytest.mark.slow
 def test_a_hang_names_the_rank_and_where_it_is():
     with pytest.raises(WorldError, match=r"(?s)ranks \[1\] never finished.*rank 1 is at: "
                                          r"File .*test_launch.py.* in _rank_one_hangs"):
         run_world(2, _rank_one_hangs, timeout=15)
+
+
+@pytest.fixture(scope="module")
+def world():
+    with World(2, record=True, env={"GIVEN": "yes"}) as w:
+        yield w
+
+
+def test_a_world_runs_each_function_in_the_same_state(world):
+    first = world.run(_state)
+    world.run(_dirty)
+    again = world.run(_state)
+    assert again == first  # the same processes (pid), nothing left behind
+    assert first[0]["env"] == {"LEFT_BEHIND": None, "GIVEN": "yes",
+                               "TORCH_FR_BUFFER_SIZE": "20000"}
+    assert world.run(_sum_of_ranks, 3) == [3, 3]
+    assert world.spawns == 1
+
+
+@pytest.mark.parametrize("fn, timeout, words", [
+    (_one_rank_fails, 60, r"(?s)rank 1 raised.*rank one's own mistake"),
+    (_rank_one_dies, 60, r"rank 1 of the 2-process world died \(exit code 3\)"),
+    (_rank_one_hangs, 3, r"(?s)did not finish in 3 s.*ranks \[1\] never finished.*"
+                         r"rank 1 is at: File .*test_launch.py.* in _rank_one_hangs"),
+])
+def test_a_failed_function_is_reported_and_its_world_replaced(world, fn, timeout, words):
+    world.run(_sum_of_ranks, 1)  # up before the failure
+    spawns = world.spawns
+    with pytest.raises(WorldError, match=words):
+        world.run(fn, timeout=timeout)
+    assert not world.alive
+    assert world.run(_sum_of_ranks, 10) == [10, 10]
+    assert world.spawns == spawns + 1
+
+
+def test_a_function_that_ends_its_world_retires_it(world):
+    assert world.run(_leaves_its_world) == [0, 1]
+    assert not world.alive
+    assert world.run(_sum_of_ranks, 2) == [2, 2]
+
+
+def test_worlds_keep_one_world_per_key_within_a_process_budget():
+    worlds = Worlds(max_processes=2)
+    try:
+        assert worlds.run(1, _sum_of_ranks, 5) == [0]
+        assert worlds.run(1, _sum_of_ranks, 5) == [0]
+        plain = worlds.world(1)
+        assert worlds.spawns == 1 and plain.alive
+        assert worlds.run(1, _state, env={"GIVEN": "other"})[0]["env"]["GIVEN"] == "other"
+        assert plain.alive  # two processes fit
+        assert worlds.run(2, _sum_of_ranks, 1) == [1, 1]  # the two older worlds make room
+        assert not plain.alive and worlds.spawns == 3
+    finally:
+        worlds.close()
+    with pytest.raises(MimoFxError, match="world=0: need at least one process"):
+        World(0)

@@ -1,0 +1,495 @@
+"""Local worlds of processes that stay alive and run one function after another.
+
+Spawning a world costs seconds (every process imports torch and joins the process
+group). A :class:`World` pays it once: each of its processes initialises its process
+group, then runs the functions submitted with :meth:`World.run` in turn, each as
+``fn(rank, size, *args)`` on every rank, and the results come back by rank.
+:class:`Worlds` keeps one World per key (size, backend, threads, record, env), for a test
+session; :func:`~mimo_fx.testing.run_world` is a World used once.
+
+Failures are reported, never left hanging, and end the world:
+
+- a function that does not finish within its timeout is killed, naming the ranks that
+  never finished and where each one is (its innermost frames);
+- a rank that raises has its traceback re-raised, the rank that failed by itself first
+  (not a peer that failed only because it lost that rank), the earliest first; a rank
+  that dies is named;
+- the world is then torn down (its process groups may be desynchronised) and the next
+  call spawns a new one. A function that destroys the default process group, or leaves
+  bridges in ``mimo_fx.compiled``'s registry, retires its world the same way once its
+  results are back.
+
+Between two functions every process puts back what the first may have changed (see
+:class:`_Baseline`): environment, working directory, torch's seed, default dtype, grad
+mode and threads, Dynamo's caches and counters, the Dynamo, Inductor and functorch
+configs, loggers and warning filters. Environment variables that must be set before the
+process group exists go in ``env`` (part of the key): a world never sees its parent's
+later changes to ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from mimo_fx.errors import MimoFxError
+
+__all__ = ["World", "WorldError", "Worlds"]
+
+FR_ENV = "TORCH_FR_BUFFER_SIZE"  # Flight Recorder, read by mimo_fx.compiled.trace
+FR_ENTRIES = "20000"
+# once a rank has failed, how long its peers get to report (they usually fail at once,
+# having lost it) before the world is killed
+GRACE = 30.0
+
+
+class WorldError(MimoFxError, AssertionError):
+    """A spawned world hung, lost a rank, or a rank raised (its traceback is the message)."""
+
+
+# what a rank's error says when it failed only because another rank went away
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "gloo/transport/tcp", "NCCL communicator was aborted")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- in each process of a world -----------------------------------------------------------
+
+def _send(conn: Connection, message: tuple) -> None:
+    try:
+        conn.send_bytes(pickle.dumps(message))
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        pass  # the parent is gone or closed the world: nobody to tell
+
+
+def _serve(rank: int, size: int, port: int, conn: Connection, out_dir: str, backend: str,
+           threads: int, env: dict[str, str], reuse: bool) -> None:
+    """One process of a world: join the process group, run functions until the parent
+    closes the world, a function fails or the world cannot be reused."""
+    os.environ.update(env)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    # where this rank is, on request: the parent asks ranks that hang (see _where_stuck)
+    stack = open(os.path.join(out_dir, f"{rank}.stack"), "w")  # noqa: SIM115 (process-long)
+    faulthandler.register(signal.SIGUSR1, file=stack, all_threads=False)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=size)
+        baseline = _Baseline(threads) if reuse else None
+        while _serve_one(rank, size, conn, baseline):
+            pass
+    except BaseException:  # report, don't hang the parent; then leave: peers see it gone
+        _send(conn, ("error", traceback.format_exc(), time.monotonic()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve_one(rank: int, size: int, conn: Connection, baseline: _Baseline | None) -> bool:
+    """Run the next function; whether this process can take another one."""
+    import torch.distributed as dist
+
+    try:
+        payload = conn.recv_bytes()
+    except EOFError:  # the parent closed the world (or is gone)
+        return False
+    fn, args = pickle.loads(payload)
+    result = fn(rank, size, *args)
+    _send(conn, ("done",))
+    if not dist.is_initialized():  # fn tore its world down itself
+        why = "the function destroyed the default process group"
+    else:
+        # every rank done before any goes on: a peer still creating a group (non-members
+        # return from new_group early) needs the store, and the next function its peers
+        dist.barrier()
+        why = "a World(reuse=False) runs one function" if baseline is None else \
+            baseline.restore()
+    _send(conn, ("ok", result, why))
+    return not why
+
+
+def _logger_states() -> dict[Any, tuple]:
+    import logging
+
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    return {lg: (lg.level, list(lg.handlers), lg.propagate, lg.disabled) for lg in loggers}
+
+
+class _Baseline:
+    """What a function may change in its process, as it was before the first one ran,
+    and :meth:`restore` to put it back."""
+
+    def __init__(self, threads: int) -> None:
+        import warnings
+
+        import torch
+        import torch._dynamo  # noqa: F401 (imports the configs below)
+        import torch._functorch.config
+        import torch._inductor.config
+
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.seed = torch.initial_seed()
+        self.threads = threads
+        self.dtype = torch.get_default_dtype()
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
+        self.configs = [(m, m.get_config_copy()) for m in
+                        (torch._dynamo.config, torch._inductor.config, torch._functorch.config)]
+        self.loggers = _logger_states()
+        self.warnings = list(warnings.filters)
+
+    def restore(self) -> str:
+        """Put everything back; why the world must end instead ("" if it need not):
+        state that cannot be put back (bridges or groups still registered)."""
+        import gc
+        import logging
+        import warnings
+
+        import torch
+        import torch._dynamo
+        from torch._dynamo.utils import counters
+
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        torch.manual_seed(self.seed)
+        torch.set_num_threads(self.threads)
+        torch.set_default_dtype(self.dtype)
+        torch.set_grad_enabled(True)
+        torch.use_deterministic_algorithms(self.deterministic)
+        torch._dynamo.reset()
+        counters.clear()
+        for module, config in self.configs:
+            module.load_config(config)
+        for lg in _logger_states():  # loggers made since start back to a new one's state
+            level, handlers, propagate, disabled = self.loggers.get(
+                lg, (logging.NOTSET, [], True, False))
+            lg.setLevel(level)
+            lg.handlers[:] = handlers
+            lg.propagate, lg.disabled = propagate, disabled
+        warnings.filters[:] = self.warnings  # type: ignore[index]
+        gc.collect()
+        return _registered_bridges()
+
+
+def _registered_bridges() -> str:
+    """What ``mimo_fx.compiled`` still holds: groups, abandoned groups (with sends no
+    peer will take) and prepared bridges; "" if nothing (or never imported)."""
+    groups = sys.modules.get("mimo_fx.compiled.groups")
+    compiled = sys.modules.get("mimo_fx.compiled")
+    held = {"groups": len(getattr(groups, "_GROUPS", ())),
+            "abandoned groups": len(getattr(groups, "_ABANDONED", ())),
+            "prepared bridges": len(getattr(compiled, "_PREPARED", ()))}
+    return ", ".join(f"{n} {what}" for what, n in held.items() if n) + \
+        (" left in mimo_fx.compiled's registry" if any(held.values()) else "")
+
+
+# -- in the parent --------------------------------------------------------------------------
+
+def _where_stuck(processes: list, stuck: list[int], out_dir: str) -> str:
+    """The ranks that never finished their function, each with the innermost frames of
+    its stack (asked for with SIGUSR1, see ``_serve``)."""
+    for rank in stuck:
+        if processes[rank].is_alive():
+            os.kill(processes[rank].pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    lines = [f"; ranks {stuck} never finished"]
+    for rank in stuck:
+        with open(os.path.join(out_dir, f"{rank}.stack")) as f:
+            frames = [ln.strip() for ln in f if ln.strip().startswith("File")]
+        lines.append(f"rank {rank} is at: " + (" <- ".join(frames[:3]) or "(no stack)"))
+    return "\n  ".join(lines)
+
+
+def _exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _failure(size: int, errors: list[tuple[int, str, float]], died: dict[int, int | None],
+            unfinished: list[int]) -> WorldError:
+    """The error for a world where ranks raised (rank, traceback, when) or died (rank:
+    exit code). A rank that fails makes its peers' collectives fail (the connection to it
+    is closed or reset): the first reported is a rank that raised by itself, the earliest
+    first, else a rank that died, else the earliest peer that lost one."""
+    own = sorted((e for e in errors if not any(m in e[1] for m in _LOST_PEER)),
+                 key=lambda e: e[2])
+    lost = sorted((e for e in errors if e not in own), key=lambda e: e[2])
+    notes = []
+    if own or not died:
+        rank, text, _ = (own or lost)[0]
+        others = sorted(r for r, _, _ in errors if r != rank)
+        message = (f"rank {rank} raised" + (f" (ranks {others} too)" if others else "")
+                   + ":\n" + text)
+        if died:
+            notes.append("ranks that died: " + ", ".join(f"{r} ({_exit(c)})"
+                                                         for r, c in sorted(died.items())))
+    else:
+        rank = min(died)
+        message = (f"rank {rank} of the {size}-process world died ({_exit(died[rank])}); "
+                   f"its stderr says why (a script that spawns worlds needs the "
+                   f"'if __name__ == \"__main__\":' guard)")
+        notes += [f"rank {r} died too ({_exit(c)})" for r, c in sorted(died.items()) if r != rank]
+        if lost:
+            notes.append(f"ranks {sorted(r for r, _, _ in lost)} raised after losing it, "
+                         f"rank {lost[0][0]} first:\n{lost[0][1]}")
+    if unfinished:
+        notes.append(f"ranks {unfinished} were still running when the world was killed")
+    return WorldError(message + "".join(f"\n  {n}" for n in notes))
+
+
+class World:
+    """``size`` processes (gloo on 127.0.0.1, or NCCL with one GPU per rank) that run
+    the functions given to :meth:`run` one after another; spawned on the first call and
+    again after a failure.
+
+    ``threads`` intra-op threads per process (1 by default: many ranks share few cores);
+    with ``record`` every process keeps a Flight Recorder of its collectives
+    (:mod:`mimo_fx.compiled.trace`); ``env`` is set in every process before its process
+    group is created. With ``reuse=False`` the processes leave after one function (what
+    :func:`~mimo_fx.testing.run_world` does).
+    """
+
+    def __init__(self, size: int, *, backend: str = "gloo", threads: int = 1,
+                 record: bool = False, env: Mapping[str, str] | None = None,
+                 reuse: bool = True) -> None:
+        if size < 1:
+            raise MimoFxError(f"world={size}: need at least one process")
+        self.size, self.backend, self.threads, self.reuse = size, backend, threads, reuse
+        self.env = {**(env or {}), **({FR_ENV: FR_ENTRIES} if record else {})}
+        self.spawns = 0   # how many times this world was spawned
+        self.runs = 0     # functions run to completion
+        self.retired = ""  # why the last function ended the world ("" if it did not)
+        self.ends: list[str] = []  # why each earlier spawn of it ended
+        self._processes: list = []
+        self._conns: list[Connection] = []
+        self._dir = ""
+        _OPEN.add(self)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the world's processes are up (it spawns them on the next run if not)."""
+        return bool(self._processes) and all(p.is_alive() for p in self._processes)
+
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list:
+        """``fn(rank, size, *args)`` on every rank; the results by rank.
+
+        ``fn`` must be importable by the processes (a module-level function) and its
+        arguments and results picklable. ``timeout`` covers the spawn when the world
+        has to be spawned first.
+        """
+        deadline = time.monotonic() + timeout
+        payload = pickle.dumps((fn, args))  # an unpicklable call fails before any rank runs
+        if not self.alive:
+            self.close()
+            self._spawn()
+        try:
+            for conn in self._conns:
+                conn.send_bytes(payload)
+            results, self.retired = self._collect(deadline, timeout)
+        except BaseException as err:
+            self.close(kill=True)  # a failed world may be desynchronised: never reused
+            self.retired = f"the function failed: {type(err).__name__}"
+            self.ends.append(f"{getattr(fn, '__qualname__', fn)}: {self.retired}")
+            raise
+        self.runs += 1
+        if self.retired:
+            self.close()
+            self.ends.append(f"{getattr(fn, '__qualname__', fn)}: {self.retired}")
+        return results
+
+    def _spawn(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="mimo_fx_world_")
+        port = _free_port()
+        for rank in range(self.size):
+            mine, theirs = ctx.Pipe()
+            process = ctx.Process(target=_serve, name=f"world{self.size}-rank{rank}",
+                                  args=(rank, self.size, port, theirs, self._dir,
+                                        self.backend, self.threads, self.env, self.reuse))
+            process.start()
+            theirs.close()
+            self._processes.append(process)
+            self._conns.append(mine)
+        self.spawns += 1
+
+    def _read(self, rank: int, state: dict) -> None:
+        """Take what rank ``rank`` has sent; note it dead if it is gone without a word."""
+        conn, process = self._conns[rank], self._processes[rank]
+        while rank in state["pending"] and conn.poll():
+            try:
+                message = pickle.loads(conn.recv_bytes())
+            except (EOFError, ConnectionResetError):
+                break
+            if message[0] == "done":
+                state["done"].add(rank)
+            elif message[0] == "ok":
+                state["results"][rank] = message[1]
+                state["why"] = state["why"] or (f"rank {rank}: {message[2]}" if message[2] else "")
+                state["pending"].discard(rank)
+            else:
+                state["errors"].append((rank, message[1], message[2]))
+                state["pending"].discard(rank)
+        if rank in state["pending"] and not process.is_alive():
+            process.join()
+            state["died"][rank] = process.exitcode
+            state["pending"].discard(rank)
+
+    def _collect(self, deadline: float, timeout: float) -> tuple[list, str]:
+        state: dict = {"pending": set(range(self.size)), "done": set(), "errors": [],
+                       "died": {}, "results": [None] * self.size, "why": ""}
+        give_up = deadline
+        while state["pending"] and time.monotonic() < give_up:
+            ranks = sorted(state["pending"])
+            wait([self._conns[r] for r in ranks] + [self._processes[r].sentinel for r in ranks],
+                 timeout=max(0.0, give_up - time.monotonic()))
+            for rank in ranks:
+                self._read(rank, state)
+            if (state["errors"] or state["died"]) and give_up == deadline:
+                give_up = min(deadline, time.monotonic() + GRACE)
+        pending = sorted(state["pending"])
+        if state["errors"] or state["died"]:
+            raise _failure(self.size, state["errors"], state["died"], pending)
+        if pending:
+            stuck = [r for r in pending if r not in state["done"]]
+            raise WorldError(f"the {self.size}-process world did not finish in "
+                             f"{timeout:.0f} s (a hang?); raise timeout= if it is just slow"
+                             + _where_stuck(self._processes, stuck, self._dir))
+        return state["results"], state["why"]
+
+    def close(self, kill: bool = False) -> None:
+        """End the processes (at once with ``kill``; otherwise they leave their process
+        group first). The next :meth:`run` spawns the world again."""
+        _close([self], kill)
+
+
+def _close(worlds: list[World], kill: bool = False) -> None:
+    """Close several worlds at once: every process is told first, then each is waited for."""
+    for world in worlds:
+        for conn in world._conns:
+            conn.close()  # the process sees EOF, leaves its process group and exits
+        if kill:
+            for process in world._processes:
+                process.kill()
+    deadline = time.monotonic() + 30.0
+    for world in worlds:
+        for process in world._processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if world._dir:
+            shutil.rmtree(world._dir, ignore_errors=True)
+        world._processes, world._conns, world._dir = [], [], ""
+
+
+_OPEN: weakref.WeakSet[World] = weakref.WeakSet()
+
+
+@atexit.register  # before multiprocessing's own exit handler, which joins the processes
+def _close_all() -> None:
+    _close(list(_OPEN), kill=True)
+
+
+Key = tuple[int, str, int, bool, tuple[tuple[str, str], ...]]
+
+
+class Worlds:
+    """One :class:`World` per (size, backend, threads, record, env), kept for reuse.
+
+    At most ``max_processes`` processes stay alive (``MIMO_FX_WORLD_PROCESSES``, 16 by
+    default): spawning a world past it closes the least recently used others first.
+    """
+
+    def __init__(self, max_processes: int | None = None) -> None:
+        if max_processes is None:
+            max_processes = int(os.environ.get("MIMO_FX_WORLD_PROCESSES", "16"))
+        self.max_processes = max_processes
+        self._worlds: OrderedDict[Key, World] = OrderedDict()
+
+    def world(self, size: int, *, backend: str = "gloo", threads: int = 1,
+              record: bool = False, env: Mapping[str, str] | None = None) -> World:
+        """The world for these options (spawned on its first run)."""
+        key: Key = (size, backend, threads, record, tuple(sorted((env or {}).items())))
+        if key not in self._worlds:
+            self._worlds[key] = World(size, backend=backend, threads=threads, record=record,
+                                      env=env)
+        self._worlds.move_to_end(key)
+        return self._worlds[key]
+
+    def run(self, size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
+            backend: str = "gloo", threads: int = 1, record: bool = False,
+            env: Mapping[str, str] | None = None) -> list:
+        """``fn(rank, size, *args)`` on every rank of the world for these options, as
+        :func:`~mimo_fx.testing.run_world` with the same arguments would, without a spawn
+        when the world is already up."""
+        world = self.world(size, backend=backend, threads=threads, record=record, env=env)
+        if not world.alive:
+            self._make_room(world)
+        return world.run(fn, *args, timeout=timeout)
+
+    def _make_room(self, new: World) -> None:
+        live = [w for w in self._worlds.values() if w.alive and w is not new]  # oldest first
+        excess = sum(w.size for w in live) + new.size - self.max_processes
+        evict = []
+        for world in live:
+            if excess <= 0:
+                break
+            evict.append(world)
+            excess -= world.size
+        _close(evict)
+
+    @property
+    def spawns(self) -> int:
+        """Worlds spawned so far (a respawn after a failure counts)."""
+        return sum(w.spawns for w in self._worlds.values())
+
+    def summary(self) -> list[str]:
+        """One line per world: its options, spawns, functions run and why it ended."""
+        lines = []
+        for (size, backend, threads, record, env), w in self._worlds.items():
+            options = [backend] + [f"threads={threads}"] * (threads != 1) \
+                + ["record"] * record + [f"{k}={v}" for k, v in env]
+            lines.append(f"{size} ranks ({', '.join(options)}): {w.spawns} spawned, "
+                         f"{w.runs} functions run" + "".join(f"; ended by {e}" for e in w.ends))
+        return lines
+
+    def close(self) -> None:
+        _close(list(self._worlds.values()))
