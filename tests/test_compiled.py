@@ -77,8 +77,8 @@ def _table_on_world(rank: int, world: int, names: list[str], device: str = "cpu"
 
 
 @pytest.fixture(scope="module")
-def table_results():
-    return run_world(WORLD, _table_on_world, [c.name for c in SAMPLE], record=True)
+def table_results(worlds):
+    return worlds.run(WORLD, _table_on_world, [c.name for c in SAMPLE], record=True)
 
 
 @pytest.mark.parametrize("case", SAMPLE, ids=[c.name for c in SAMPLE])

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from mimo_fx import Grid, Layout, MimoFxError
-from mimo_fx.testing import run_world
 
 # x: the encoder's output rows, replicated over tp on a TP2 x DP2 grid; the LLM side
 # shards rows over dp and columns over tp on the same 4 ranks (no replicas, so the
@@ -256,13 +255,13 @@ def _inductor_and_leaks(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_world(4, _features)
+def world4(worlds):
+    return worlds.run(4, _features)
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return run_world(2, _inductor_and_leaks, timeout=600)
+def world2(worlds):
+    return worlds.run(2, _inductor_and_leaks, timeout=600)
 
 
 FEATURES = ["aot_eager_eager_matches_math", "aot_eager_graph_breaks",

@@ -22,7 +22,6 @@ from mimo_fx.interop.dtensor import dtensor_layout, grid_from_mesh, layout_from_
 from mimo_fx.reference import shard
 from mimo_fx.reference.oracle import shard_index
 from mimo_fx.regions import Tiling
-from mimo_fx.testing import run_world
 
 WORLD = 8
 
@@ -497,8 +496,8 @@ def _world(rank: int, world: int, names: list[str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world_results():
-    return run_world(WORLD, _world, list(SCENARIOS))
+def world_results(worlds):
+    return worlds.run(WORLD, _world, list(SCENARIOS))
 
 
 @pytest.mark.parametrize("name", [*SCENARIOS, "grad_partial"])

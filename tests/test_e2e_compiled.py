@@ -20,7 +20,6 @@ from __future__ import annotations
 import pytest
 
 from mimo_fx.jobs.e2e import TOLERANCE, Run, check, train_worker
-from mimo_fx.testing import run_world
 
 RUNS = [Run("colocated", steps=2), Run("pipelined", steps=2), Run("variable", steps=4),
         Run("fan_out", steps=2, backend="eager"), Run("equal", steps=2, backend="eager"),
@@ -28,8 +27,8 @@ RUNS = [Run("colocated", steps=2), Run("pipelined", steps=2), Run("variable", st
 
 
 @pytest.fixture(scope="module")
-def results():
-    return {r["variant"]: r for r in run_world(8, train_worker, RUNS, timeout=900)[0]}
+def results(worlds):
+    return {r["variant"]: r for r in worlds.run(8, train_worker, RUNS, timeout=900)[0]}
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.variant for r in RUNS])

@@ -366,11 +366,9 @@ def _example():
 
 
 @pytest.fixture(scope="module")
-def gloo_world():
+def gloo_world(worlds):
     """Every rank's results of ``_gloo_rank`` (one spawned world for the tests below)."""
-    from mimo_fx.testing import run_world
-
-    return run_world(4, _gloo_rank, timeout=600)
+    return worlds.run(4, _gloo_rank, timeout=600)
 
 
 def test_four_gloo_processes_one_graph_for_every_plan(gloo_world):

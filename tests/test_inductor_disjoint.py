@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from mimo_fx import Grid, Layout
-from mimo_fx.testing import run_world
 
 BRIDGES = {
     "2_ranks": (Layout(Grid(dp=1), "b h"), Layout(Grid(dp=1, offset=1), "b h"), {"b": 4, "h": 8}),
@@ -75,8 +74,8 @@ def _world(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_world(4, _world, record=True, timeout=600)
+def runs(worlds):
+    return worlds.run(4, _world, record=True, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(BRIDGES))

@@ -30,7 +30,6 @@ from harness import (
 )
 
 from mimo_fx.reference import shard
-from mimo_fx.testing import run_world
 
 WORLD = 8
 SAMPLE = [c for c in CASES if c.world <= WORLD]
@@ -123,8 +122,8 @@ def _world(rank: int, world: int, names: list[str], backends: tuple[str, ...]) -
 
 
 @pytest.fixture(scope="module")
-def world_runs():
-    return run_world(WORLD, _world, [c.name for c in SAMPLE], BACKENDS, record=True,
+def world_runs(worlds):
+    return worlds.run(WORLD, _world, [c.name for c in SAMPLE], BACKENDS, record=True,
                      timeout=900)
 
 

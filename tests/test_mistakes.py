@@ -149,8 +149,8 @@ def _size_mistakes(rank: int, x: torch.Tensor, piece: torch.Tensor) -> dict:
 
 
 @pytest.fixture(scope="module")
-def scenarios():
-    return run_world(4, _scenarios, record=True, timeout=300)
+def scenarios(worlds):
+    return worlds.run(4, _scenarios, record=True, timeout=300)
 
 
 @pytest.mark.parametrize("name, rank, words", [

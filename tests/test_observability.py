@@ -7,7 +7,6 @@ import logging
 
 import mimo_fx
 from mimo_fx import Grid, Layout
-from mimo_fx.testing import run_world
 
 SRC = Layout(Grid(dp=2), "(dp b) h")
 DST = Layout(Grid(tp=2), "b (tp h)")
@@ -36,8 +35,8 @@ def _observe(rank: int, world: int) -> dict:
     return {"spans": spans, "log": records}
 
 
-def test_bridge_calls_are_labelled_spans_and_plans_logged_once():
-    results = run_world(2, _observe)
+def test_bridge_calls_are_labelled_spans_and_plans_logged_once(worlds):
+    results = worlds.run(2, _observe)
     for rank, r in enumerate(results):
         assert r["spans"] == ["mimo_fx.redistribute (dp b) h -> b (tp h)"] * 2, r["spans"]
         forward = [m for m in r["log"] if " forward: " in m]

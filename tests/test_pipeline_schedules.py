@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from mimo_fx import Grid, Layout
-from mimo_fx.testing import run_world
 
 B, H, M = 4, 4, 4  # batch rows, hidden, micro-batches
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "bridge_1f1b.py"
@@ -289,8 +288,8 @@ def _schedules(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world6():
-    return run_world(6, _schedules, timeout=300)
+def world6(worlds):
+    return worlds.run(6, _schedules, timeout=300)
 
 
 @pytest.mark.parametrize("name,variant", CASES)

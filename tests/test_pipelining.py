@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from mimo_fx import Grid, Layout, MimoFxError
-from mimo_fx.testing import run_world
 
 B, H, OUT = 8, 6, 5          # batch rows, hidden width, output width
 DT = torch.float64
@@ -410,8 +409,8 @@ def _stage_misuse() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def world():
-    return run_world(4, _world, timeout=600)
+def world(worlds):
+    return worlds.run(4, _world, timeout=600)
 
 
 CHECKS = ["gpipe_tp2_to_dp2", "1f1b_tp2_to_dp2", "1f1b_scale_grads_per_microbatch",

@@ -39,7 +39,6 @@ from mimo_fx.mimo import (
     embedding_groups,
     is_first_stage,
 )
-from mimo_fx.testing import run_world
 
 WORLD = 8
 B, S, FEAT, H = 8, 12, 5, 6      # batch, sequence, encoder features, hidden
@@ -430,8 +429,8 @@ def _world(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_world(WORLD, _world, timeout=300, record=True)
+def results(worlds):
+    return worlds.run(WORLD, _world, timeout=300, record=True)
 
 
 @pytest.mark.parametrize("check", ["disjoint", "from_config", "colocated", "small_buckets",

@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from mimo_fx import Grid, Layout
-from mimo_fx.testing import run_world
 
 ENC = Grid(tp=2, dp=4)
 LLM = Grid(tp=2, cp=2, dp=2)
@@ -296,13 +295,13 @@ def _world4_inductor(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world8():
-    return run_world(8, _world8, record=True, timeout=900)
+def world8(worlds):
+    return worlds.run(8, _world8, record=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
-def world4_inductor():
-    return run_world(4, _world4_inductor, timeout=900)
+def world4_inductor(worlds):
+    return worlds.run(4, _world4_inductor, timeout=900)
 
 
 def _problems(results, key):
