@@ -50,10 +50,15 @@ import torch.multiprocessing as mp
 
 from mimo_fx.errors import MimoFxError
 
+from . import touched
+
 __all__ = ["World", "WorldError", "Worlds"]
 
 FR_ENV = "TORCH_FR_BUFFER_SIZE"  # Flight Recorder, read by mimo_fx.compiled.trace
 FR_ENTRIES = "20000"
+# a Flight Recorder dump (compiled.trace.mark/since) reads every entry it holds, about
+# 0.1 ms each: a world holding more than this many is not given another function
+FR_REUSE_LIMIT = 1000
 # once a rank has failed, how long its peers get to report (they usually fail at once,
 # having lost it) before the world is killed
 GRACE = 30.0
@@ -93,6 +98,7 @@ def _serve(rank: int, size: int, port: int, conn: Connection, out_dir: str, back
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    touched.track()
     # where this rank is, on request: the parent asks ranks that hang (see _where_stuck)
     stack = open(os.path.join(out_dir, f"{rank}.stack"), "w")  # noqa: SIM115 (process-long)
     faulthandler.register(signal.SIGUSR1, file=stack, all_threads=False)
@@ -130,7 +136,7 @@ def _serve_one(rank: int, size: int, conn: Connection, baseline: _Baseline | Non
         dist.barrier()
         why = "a World(reuse=False) runs one function" if baseline is None else \
             baseline.restore()
-    _send(conn, ("ok", result, why))
+    _send(conn, ("ok", result, why, touched.report()))
     return not why
 
 
@@ -186,8 +192,9 @@ class _Baseline:
         torch.use_deterministic_algorithms(self.deterministic)
         torch._dynamo.reset()
         counters.clear()
-        for module, config in self.configs:
-            module.load_config(config)
+        for module, config in self.configs:  # only what changed: no deprecation warnings
+            now = module.get_config_copy()
+            module.load_config({k: v for k, v in config.items() if not _same(now.get(k), v)})
         for lg in _logger_states():  # loggers made since start back to a new one's state
             level, handlers, propagate, disabled = self.loggers.get(
                 lg, (logging.NOTSET, [], True, False))
@@ -196,7 +203,27 @@ class _Baseline:
             lg.propagate, lg.disabled = propagate, disabled
         warnings.filters[:] = self.warnings  # type: ignore[index]
         gc.collect()
-        return _registered_bridges()
+        return _registered_bridges() or _flight_recorder_full()
+
+
+def _flight_recorder_full() -> str:
+    """Why a world with a long Flight Recorder must end ("" if it is off or short)."""
+    if int(os.environ.get(FR_ENV, "0") or 0) <= 0:
+        return ""
+    import torch
+
+    dump = torch._C._distributed_c10d._dump_fr_trace  # type: ignore[attr-defined]
+    entries = len(pickle.loads(dump(includeStackTraces=False)).get("entries", []))
+    return (f"its Flight Recorder holds {entries} entries (more than {FR_REUSE_LIMIT}: "
+            f"every later trace.mark/since would read them all)"
+            if entries > FR_REUSE_LIMIT else "")
+
+
+def _same(a: object, b: object) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 (a value without a plain ==: put it back)
+        return False
 
 
 def _registered_bridges() -> str:
@@ -222,8 +249,11 @@ def _where_stuck(processes: list, stuck: list[int], out_dir: str) -> str:
     time.sleep(1.0)
     lines = [f"; ranks {stuck} never finished"]
     for rank in stuck:
-        with open(os.path.join(out_dir, f"{rank}.stack")) as f:
-            frames = [ln.strip() for ln in f if ln.strip().startswith("File")]
+        try:
+            with open(os.path.join(out_dir, f"{rank}.stack")) as f:
+                frames = [ln.strip() for ln in f if ln.strip().startswith("File")]
+        except FileNotFoundError:  # not yet listening: still starting up
+            frames = ["(not started: importing torch or before its process group)"]
         lines.append(f"rank {rank} is at: " + (" <- ".join(frames[:3]) or "(no stack)"))
     return "\n  ".join(lines)
 
@@ -362,6 +392,8 @@ class World:
                 state["done"].add(rank)
             elif message[0] == "ok":
                 state["results"][rank] = message[1]
+                for kind, names in message[3].items():
+                    touched.IN_WORLDS[kind] |= names
                 state["why"] = state["why"] or (f"rank {rank}: {message[2]}" if message[2] else "")
                 state["pending"].discard(rank)
             else:
@@ -474,7 +506,7 @@ class Worlds:
                 break
             evict.append(world)
             excess -= world.size
-        _close(evict)
+        _close(evict, kill=True)  # idle processes: nothing to finish
 
     @property
     def spawns(self) -> int:
@@ -491,5 +523,6 @@ class Worlds:
                          f"{w.runs} functions run" + "".join(f"; ended by {e}" for e in w.ends))
         return lines
 
-    def close(self) -> None:
-        _close(list(self._worlds.values()))
+    def close(self, kill: bool = True) -> None:
+        """End every world (at once by default: their processes are idle)."""
+        _close(list(self._worlds.values()), kill)
