@@ -5,15 +5,23 @@ options), each process alive for the whole session and running one test module's
 function after another (:class:`mimo_fx.testing.Worlds`; tests/README.md says which
 tests still spawn their own world and why). The terminal summary says how many worlds
 were spawned, how many functions each ran and what ended them.
+
+``touched_modules``: the library modules the run touched (:mod:`mimo_fx.testing.touched`)
+for ``tests/test_touched.py``, which runs last.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from mimo_fx.testing import Worlds
+from mimo_fx.testing import Worlds, touched
+
+touched.track()  # with MIMO_FX_TRACK_CALLS=1 only
 
 _POOLS: list[Worlds] = []
+# the library modules imported here when doctest collection starts (imports by the test
+# modules) and when collection ends (the doctests import every module)
+_IMPORTED: dict[str, set[str]] = {}
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +32,33 @@ def worlds():
     _POOLS.append(pool)
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def touched_modules(request) -> dict[str, set[str]]:
+    """The library modules the tests run so far touched: "imported" by a test module or
+    a test (in this process, not counting imports for doctest collection, or in a
+    world's), and "called" (a function of it ran; with ``MIMO_FX_TRACK_CALLS=1``)."""
+    now = touched.imported()
+    by_tests = _IMPORTED.get("doctests", now) | (now - _IMPORTED.get("collected", now))
+    return {"imported": by_tests | touched.IN_WORLDS["imported"],
+            "called": touched.called() | touched.IN_WORLDS["called"]}
+
+
+def pytest_collectstart(collector):
+    if "doctests" not in _IMPORTED and type(collector).__name__ == "DoctestModule" \
+            and touched.library_name(str(collector.path)):
+        _IMPORTED["doctests"] = touched.imported()
+
+
+def pytest_collection_finish(session):
+    _IMPORTED["collected"] = touched.imported()
+
+
+def pytest_collection_modifyitems(items):
+    """The touched-modules check last, after everything it accounts for."""
+    last = [item for item in items if item.nodeid.startswith("tests/test_touched.py")]
+    items[:] = [item for item in items if item not in last] + last
 
 
 def pytest_terminal_summary(terminalreporter):

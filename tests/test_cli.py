@@ -1,4 +1,5 @@
-"""The command line: the sample bridge's plan, any layout pair, clear errors."""
+"""The command lines: the sample bridge's plan, any layout pair, clear errors; the main
+job's arguments."""
 
 from __future__ import annotations
 
@@ -53,3 +54,19 @@ def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     assert "(default: tp=2,cp=2,dp=2)" in capsys.readouterr().out
+
+
+def test_the_main_job_checks_its_arguments_before_spawning(capsys, monkeypatch):
+    """``python -m mimo_fx.jobs`` runs the end-to-end job's command line, which refuses a
+    run without steps before any world is spawned."""
+    import importlib
+    import runpy
+
+    from mimo_fx.jobs import e2e
+
+    monkeypatch.setattr("sys.argv", ["python -m mimo_fx.jobs", "--steps", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("mimo_fx.jobs", run_name="__main__", alter_sys=True)
+    assert exit_.value.code == 2
+    assert "--steps 0: need at least one step" in capsys.readouterr().err
+    assert importlib.import_module("mimo_fx.jobs.__main__").main is e2e.main
