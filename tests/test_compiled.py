@@ -16,6 +16,8 @@ from harness import expected_calls, expected_input_grad, expected_output, mismat
 from mimo_fx.reference import shard
 from mimo_fx.testing import run_world
 
+pytestmark = pytest.mark.slow  # spawned worlds, long: not in the fast subset (tests/README.md)
+
 WORLD = 8
 SAMPLE = [c for c in CASES if c.world <= WORLD]
 

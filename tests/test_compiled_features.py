@@ -278,6 +278,7 @@ def test_feature_on_4_ranks(world4, name):
     assert not problems, problems
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["inductor_eager_matches_math", "inductor_graph_breaks",
                                   "inductor_compiled_equals_eager", "no_leak_after_1000"])
 def test_feature_on_2_ranks(world2, name):

@@ -500,6 +500,7 @@ def world_results(worlds):
     return worlds.run(WORLD, _world, list(SCENARIOS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [*SCENARIOS, "grad_partial"])
 def test_cross_mesh_redistribute(world_results, name):
     problems = {rank: r[name] for rank, r in enumerate(world_results) if r[name]}
@@ -514,6 +515,7 @@ def test_cross_mesh_redistribute(world_results, name):
     ("error_dtensor_to_layout_facade", r"MimoFxError: redistribute takes layouts.*"
                                        r"mimo_fx.redistribute_dtensor\(x, dst_mesh"),
 ])
+@pytest.mark.slow
 def test_errors_on_every_rank(world_results, name, match):
     messages = [r[name] for r in world_results]
     assert all(m is not None for m in messages), messages
@@ -522,10 +524,12 @@ def test_errors_on_every_rank(world_results, name, match):
     assert all(re.search(match, m, re.S) for m in messages), messages[:2]
 
 
+@pytest.mark.slow
 def test_groups_released(world_results):
     assert [r["__live_groups__"] for r in world_results] == [0] * WORLD
 
 
+@pytest.mark.slow
 def test_device_mesh_from_layout(world_results):
     """DTensorLayout.device_mesh builds the mesh whose ranks the grid names."""
     expected = [([[0, 1], [2, 3], [4, 5], [6, 7]], ("dp", "tp")), ([[4, 6], [5, 7]], ("tp", "dp"))]

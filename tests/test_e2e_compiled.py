@@ -21,6 +21,8 @@ import pytest
 
 from mimo_fx.jobs.e2e import TOLERANCE, Run, check, train_worker
 
+pytestmark = pytest.mark.slow  # spawned worlds, long: not in the fast subset (tests/README.md)
+
 RUNS = [Run("colocated", steps=2), Run("pipelined", steps=2), Run("variable", steps=4),
         Run("fan_out", steps=2, backend="eager"), Run("equal", steps=2, backend="eager"),
         Run("pp_1f1b", steps=3, backend="inductor"), Run("packed", steps=3, backend="inductor")]

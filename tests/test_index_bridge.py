@@ -371,6 +371,7 @@ def gloo_world(worlds):
     return worlds.run(4, _gloo_rank, timeout=600)
 
 
+@pytest.mark.slow
 def test_four_gloo_processes_one_graph_for_every_plan(gloo_world):
     """A new plan every step, one compiled graph for all of them (the route's indices
     are graph inputs), eager, aot_eager and inductor, exact against the oracle."""
@@ -389,6 +390,7 @@ def test_four_gloo_processes_one_graph_for_every_plan(gloo_world):
         assert [out[mode][1] for out in got] == [1] * 4, f"{mode}: one graph per rank"
 
 
+@pytest.mark.slow
 def test_the_readme_example_puts_image_rows_at_their_tokens(gloo_world):
     """The README's packed-images example (run in the world above, under inductor): each
     LLM rank's input is the packed text with every image row at its token, cut over cp

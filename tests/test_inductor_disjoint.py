@@ -17,6 +17,8 @@ import torch
 
 from mimo_fx import Grid, Layout
 
+pytestmark = pytest.mark.slow  # spawned worlds, long: not in the fast subset (tests/README.md)
+
 BRIDGES = {
     "2_ranks": (Layout(Grid(dp=1), "b h"), Layout(Grid(dp=1, offset=1), "b h"), {"b": 4, "h": 8}),
     "4_ranks": (Layout(Grid(dp=2), "(dp b) h"), Layout(Grid(tp=2, offset=2), "b (tp h)"),

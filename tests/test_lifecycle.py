@@ -13,11 +13,14 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
 import torch
 
 from mimo_fx import Grid, Layout, MimoFxError
 from mimo_fx.reference import shard
 from mimo_fx.testing import run_world
+
+pytestmark = pytest.mark.slow  # spawned worlds, long: not in the fast subset (tests/README.md)
 
 SIZES = {"b": 4, "s": 8, "h": 2}
 DISJOINT = (Layout(Grid(dp=2), "(dp b) s h"), Layout(Grid(tp=2, offset=2), "b (tp s) h"))

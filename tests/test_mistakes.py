@@ -238,6 +238,7 @@ def _mixed(rank: int, world: int, out_dir: str) -> None:
         dist.destroy_process_group()  # a rank that failed leaves, as its process would
 
 
+@pytest.mark.slow
 def test_checked_and_unchecked_ranks_fail_instead_of_pairing_wrong_data(tmp_path):
     """Rank 0 checks (its header exchange runs on the check group), rank 1 does not (its
     data all-to-all runs on the data group): nothing pairs. Rank 0 times out with an

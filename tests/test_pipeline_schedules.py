@@ -19,6 +19,8 @@ import torch
 
 from mimo_fx import Grid, Layout
 
+pytestmark = pytest.mark.slow  # spawned worlds, long: not in the fast subset (tests/README.md)
+
 B, H, M = 4, 4, 4  # batch rows, hidden, micro-batches
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "bridge_1f1b.py"
 

@@ -419,6 +419,7 @@ CHECKS = ["gpipe_tp2_to_dp2", "1f1b_tp2_to_dp2", "1f1b_scale_grads_per_microbatc
           "stage_misuse"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CHECKS)
 def test_on_4_ranks(world, name):
     problems = {rank: r[name] for rank, r in enumerate(world) if r[name] is not None}

@@ -433,6 +433,7 @@ def results(worlds):
     return worlds.run(WORLD, _world, timeout=300, record=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", ["disjoint", "from_config", "colocated", "small_buckets",
                                    "dp_only", "tied", "example"])
 def test_gradients_equal_the_undistributed_model(results, check):
@@ -440,6 +441,7 @@ def test_gradients_equal_the_undistributed_model(results, check):
     assert not problems, problems
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_every_rank_raises_the_same_clear_error(results, name):
     messages = [r["mistakes"][name] for r in results]
@@ -447,10 +449,12 @@ def test_every_rank_raises_the_same_clear_error(results, name):
     assert re.search(MISTAKES[name], messages[0]), messages[0]
 
 
+@pytest.mark.slow
 def test_no_process_group_left_behind(results):
     assert [r["groups_left"] for r in results] == [0] * WORLD
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fix", FSDP_FIXES[:2] + ("default",))
 def test_fsdp2_gives_the_summed_gradient(results, fix):
     """With either fix; by default a 1/DP share of it (FSDP2 averages)."""
@@ -459,12 +463,14 @@ def test_fsdp2_gives_the_summed_gradient(results, fix):
     assert not problems, problems
 
 
+@pytest.mark.slow
 def test_fsdp2_divide_factor_alone_fails_on_gloo(results):
     """What the README says: float32 with divide factor 1 asks gloo for PREMUL_SUM."""
     for r in results:
         assert "Cannot use ReduceOp.PREMUL_SUM with Gloo" in (r["fsdp"][FSDP_FIXES[2]] or "")
 
 
+@pytest.mark.slow
 def test_gradsync_refuses_an_fsdp_module(results):
     for r in results:
         assert re.search(r"m.weight is a DTensor \(FSDP2 or tensor parallel\)",

@@ -27,6 +27,8 @@ import torch
 
 from mimo_fx import Grid, Layout
 
+pytestmark = pytest.mark.slow  # spawned worlds, long: not in the fast subset (tests/README.md)
+
 ENC = Grid(tp=2, dp=4)
 LLM = Grid(tp=2, cp=2, dp=2)
 LENGTHS = (8, 12, 16, 20, 24, 28, 32, 36)   # multiples of the zigzag granule 2*CP
