@@ -5,8 +5,9 @@ One 8-rank gloo world with Flight Recorder on runs every case of the shared tabl
 (world <= 8) as one training step -- all bridges in one function, so one compiled graph
 holds them all, as a real step holds several -- under eager, aot_eager and inductor, with
 ``loss.backward()`` and with ``torch.func.grad_and_value``, for 3 steps (a desync may only
-show on the second). Each rank records what its process groups actually ran; the test
-then checks, per step:
+show on the second); the compiled step is traced by Dynamo once per mode and that graph
+compiled by both backends (see ``_Compiled``). Each rank records what its process groups
+actually ran; the test then checks, per step:
 
 - every rank ran exactly the collectives the plans give it (forward and backward);
 - on every group, all members ran the same kinds in the same order, with equal sizes
@@ -30,6 +31,8 @@ from harness import (
 )
 
 from mimo_fx.reference import shard
+
+pytestmark = pytest.mark.slow  # spawned worlds, long: not in the fast subset (tests/README.md)
 
 WORLD = 8
 SAMPLE = [c for c in CASES if c.world <= WORLD]
@@ -78,43 +81,77 @@ def _inputs(rank: int, cases, step: int, mode: str):
     return xs, cots, want_y, want_g
 
 
+class _Compiled:
+    """One Dynamo graph compiled by each of ``backends``; ``use`` picks the one that runs.
+
+    Dynamo's trace does not depend on the backend, and here it is most of a compile (the
+    whole table in one graph, on 8 ranks sharing 2 cores): tracing once and compiling
+    that graph with every backend checks what one ``torch.compile`` per backend checks,
+    at half the tracing."""
+
+    def __init__(self, backends: tuple[str, ...]) -> None:
+        self.backends = backends
+        self.use = backends[0]
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo import lookup_backend
+
+        # aot_eager first: it traces gm into graphs of its own; inductor's passes then
+        # may rewrite gm in place
+        compiled = {name: lookup_backend(name)(gm, example_inputs)
+                    for name in sorted(self.backends, key=lambda b: b != "aot_eager")}
+        return lambda *args: compiled[self.use](*args)
+
+
+def _steps(rank: int, cases, bridges, step, backend: str, mode: str, out: dict) -> None:
+    """``STEPS`` steps of ``step`` under ``backend``: the collectives each ran, and every
+    output and input gradient against the oracle."""
+    from mimo_fx.compiled import trace
+
+    for s in range(STEPS):
+        xs, cots, want_y, want_g = _inputs(rank, cases, s, mode)
+        start = trace.mark()
+        if mode == "func":
+            _, ys, grads = step(xs, cots)
+        else:
+            loss, ys = step(xs, cots)
+            loss.backward()
+            grads = [None if x is None else x.grad for x in xs]
+        calls = trace.since(start)
+        problems = []
+        for i, (case, x, g, wy, wg) in enumerate(zip(cases, xs, grads, want_y, want_g)):
+            y = ys.get(i)
+            problems.append(mismatch(case, None if y is None else y.detach(), wy,
+                                     f"{case.name}: output"))
+            if x is not None and x.numel():
+                problems.append(mismatch(case, g, wg, f"{case.name}: input gradient"))
+        out[backend, mode, s] = {
+            "calls": [(c.kind, c.ranks, c.numel_in) for c in calls],
+            "problems": [p for p in problems if p]}
+
+
 def _world(rank: int, world: int, names: list[str], backends: tuple[str, ...]) -> dict:
     import torch._dynamo as dynamo
     import torch._inductor.config
 
-    from mimo_fx.compiled import Redistributor, trace
+    from mimo_fx.compiled import Redistributor
 
     torch._inductor.config.compile_threads = 1  # 8 ranks share 2 cores: no worker pools
 
     cases = [c for c in CASES if c.name in names]
     bridges = [Redistributor(c.src, c.dst, c.sizes, torch.float64) for c in cases]
-    out = {}
-    for backend in backends:
-        for mode in MODES:
+    out: dict = {}
+    compilers = tuple(b for b in backends if b != "eager")
+    for mode in MODES:
+        if "eager" in backends:
+            _steps(rank, cases, bridges, _step_fn(bridges, mode), "eager", mode, out)
+        if compilers:
             dynamo.reset()
-            step = _step_fn(bridges, mode)
-            if backend != "eager":
-                step = torch.compile(step, backend=backend, fullgraph=True)
-            for s in range(STEPS):
-                xs, cots, want_y, want_g = _inputs(rank, cases, s, mode)
-                start = trace.mark()
-                if mode == "func":
-                    _, ys, grads = step(xs, cots)
-                else:
-                    loss, ys = step(xs, cots)
-                    loss.backward()
-                    grads = [None if x is None else x.grad for x in xs]
-                calls = trace.since(start)
-                problems = []
-                for i, (case, x, g, wy, wg) in enumerate(zip(cases, xs, grads, want_y, want_g)):
-                    y = ys.get(i)
-                    problems.append(mismatch(case, None if y is None else y.detach(), wy,
-                                             f"{case.name}: output"))
-                    if x is not None and x.numel():
-                        problems.append(mismatch(case, g, wg, f"{case.name}: input gradient"))
-                out[backend, mode, s] = {
-                    "calls": [(c.kind, c.ranks, c.numel_in) for c in calls],
-                    "problems": [p for p in problems if p]}
+            compiled = _Compiled(compilers)
+            step = torch.compile(_step_fn(bridges, mode), backend=compiled, fullgraph=True)
+            for backend in compilers:
+                compiled.use = backend
+                _steps(rank, cases, bridges, step, backend, mode, out)
     expected = sum(expected_calls(b.fwd, rank) + expected_calls(b.bwd, rank) for b in bridges)
     for bridge in bridges:
         bridge.destroy()
