@@ -28,7 +28,9 @@ _IMPORTED: dict[str, set[str]] = {}
 def worlds():
     """``worlds.run(size, fn, *args, timeout=..., record=..., env=...)``: ``run_world``
     without the spawn when a world of that size and those options is already up."""
-    pool = Worlds()
+    # many ranks share few cores: Inductor compiles in each rank's own process, without
+    # a pool of compile workers per rank (as test_invariant and test_variable_sizes set)
+    pool = Worlds(env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
     _POOLS.append(pool)
     yield pool
     pool.close()

@@ -3,7 +3,8 @@ equals the undistributed model, parameter by parameter on every rank.
 
 Also shows that the same check catches the two bugs the seeds' system met: encoder
 gradients scaled by llm_dp/enc_dp when each module averages over its own DP, and the
-CP under-count when the loss is normalised over dp only.
+CP under-count when the loss is normalised over dp only. And the jobs' per-step table row,
+reduced over a 2-rank gloo world.
 """
 
 from __future__ import annotations
@@ -156,3 +157,18 @@ def test_text_after_images_with_lengths_changing_every_step(name):
         leaves = {n: p.detach().clone().requires_grad_() for n, p in full.items()}
         model.reference_loss(leaves, x, t, emb).backward()
         assert _max_rel_error(model, grads, {n: p.grad for n, p in leaves.items()}) < 1e-10
+
+
+def _step_row(rank: int, world: int) -> dict:
+    from mimo_fx.jobs.report import step_row
+
+    return step_row(3, loss=1.5 * (rank + 1), ref_loss=4.5, grad_diff=1e-7 * (rank + 1),
+                    step_bytes=100 * (rank + 1), elapsed=0.5 - 0.1 * rank)
+
+
+def test_a_step_row_is_reduced_over_the_world(worlds):
+    """The jobs' table row: the loss summed over the ranks, the worst gradient difference
+    and time, the bytes one rank sends at most and all ranks in total."""
+    rows = worlds.run(2, _step_row)
+    assert rows[0] == rows[1] == {"step": 3, "loss": 4.5, "ref_loss": 4.5, "grad_diff": 2e-7,
+                                  "bytes_max": 200, "bytes_total": 300, "seconds": 0.5}

@@ -153,9 +153,9 @@ def test_a_function_that_ends_its_world_retires_it(world):
 
 
 def test_worlds_keep_one_world_per_key_within_a_process_budget():
-    worlds = Worlds(max_processes=2)
+    worlds = Worlds(max_processes=2, env={"GIVEN": "everywhere"})
     try:
-        assert worlds.run(1, _sum_of_ranks, 5) == [0]
+        assert worlds.run(1, _state)[0]["env"]["GIVEN"] == "everywhere"
         assert worlds.run(1, _sum_of_ranks, 5) == [0]
         plain = worlds.world(1)
         assert worlds.spawns == 1 and plain.alive

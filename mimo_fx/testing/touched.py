@@ -7,8 +7,8 @@ imported modules with each result, and the parent keeps their union (:data:`IN_W
 
 With ``MIMO_FX_TRACK_CALLS=1`` in the environment, :func:`track` also records the modules
 one of whose functions ran (``sys.settrace``, in every thread; it slows pure-Python code
-by about half, so it is opt-in): a module counts as *called* when a function of it ran,
-or, for a module without functions, when its body ran.
+by about half, so it is opt-in): a module counts as *called* when a function of it ran
+(a module that defines none, when it is imported).
 """
 
 from __future__ import annotations
@@ -75,11 +75,9 @@ def tracking() -> bool:
 
 
 def _tracer(frame, event, arg):
-    code = frame.f_code
-    if code.co_filename not in _CALLED:
-        name = library_name(code.co_filename)
-        if name is None or code.co_name != "<module>" or not library().get(name, True):
-            _CALLED.add(code.co_filename)  # a file once seen is never looked at again
+    seen = _CALLED
+    if seen is not None and frame.f_code.co_name != "<module>":  # None: shutting down
+        seen.add(frame.f_code.co_filename)
     return None
 
 

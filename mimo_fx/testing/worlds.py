@@ -466,14 +466,17 @@ Key = tuple[int, str, int, bool, tuple[tuple[str, str], ...]]
 class Worlds:
     """One :class:`World` per (size, backend, threads, record, env), kept for reuse.
 
-    At most ``max_processes`` processes stay alive (``MIMO_FX_WORLD_PROCESSES``, 16 by
-    default): spawning a world past it closes the least recently used others first.
+    ``env`` here is set in every world's processes, under what each call adds. At most
+    ``max_processes`` processes stay alive (``MIMO_FX_WORLD_PROCESSES``, 16 by default):
+    spawning a world past it closes the least recently used others first.
     """
 
-    def __init__(self, max_processes: int | None = None) -> None:
+    def __init__(self, max_processes: int | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
         if max_processes is None:
             max_processes = int(os.environ.get("MIMO_FX_WORLD_PROCESSES", "16"))
         self.max_processes = max_processes
+        self.env = dict(env or {})
         self._worlds: OrderedDict[Key, World] = OrderedDict()
 
     def world(self, size: int, *, backend: str = "gloo", threads: int = 1,
@@ -482,7 +485,7 @@ class Worlds:
         key: Key = (size, backend, threads, record, tuple(sorted((env or {}).items())))
         if key not in self._worlds:
             self._worlds[key] = World(size, backend=backend, threads=threads, record=record,
-                                      env=env)
+                                      env={**self.env, **(env or {})})
         self._worlds.move_to_end(key)
         return self._worlds[key]
 
