@@ -41,6 +41,7 @@ def _roots() -> dict[str, str]:
                                                          mimo_fx.reference) for p in m.__path__}
 
 
+@cache
 def library_name(filename: str | None) -> str | None:
     """``compiled/bridge.py`` for a file of the library, else None."""
     if not filename:

@@ -508,6 +508,8 @@ class Worlds:
             if excess <= 0:
                 break
             evict.append(world)
+            world.ends.append(f"closed to make room for {new.size} ranks "
+                              f"(max_processes={self.max_processes})")
             excess -= world.size
         _close(evict, kill=True)  # idle processes: nothing to finish
 
