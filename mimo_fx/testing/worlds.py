@@ -68,9 +68,11 @@ class WorldError(MimoFxError, AssertionError):
     """A spawned world hung, lost a rank, or a rank raised (its traceback is the message)."""
 
 
-# what a rank's error says when it failed only because another rank went away
+# what a rank's error says when it failed only because another rank went away (or rank
+# 0, which holds the store)
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "gloo/transport/tcp", "NCCL communicator was aborted")
+              "gloo/transport/tcp", "NCCL communicator was aborted",
+              "Failed to recv, got 0 bytes")
 
 
 def _free_port() -> int:
