@@ -29,7 +29,7 @@ import torch
 
 from . import inductor_order
 
-__all__ = ["Comm", "FunctionalComm", "KINDS", "ordered"]
+__all__ = ["Comm", "FunctionalComm", "KINDS", "ordered", "register_ordered"]
 
 Ranks = tuple[int, ...]
 
@@ -102,9 +102,9 @@ KINDS = {
 }
 
 
-def _register_ordered() -> bool:
-    """Give every op an ORDERED effect; False where this torch cannot (then the ops are
-    plain custom ops: correct eagerly, but a compiler may move them)."""
+def register_ordered(op) -> bool:
+    """Give ``op`` an ORDERED effect; False where this torch cannot (then it is a plain
+    custom op: correct eagerly, but a compiler may move it)."""
     try:
         from torch._library.effects import EffectType
         register: Any = torch.library._register_effectful_op
@@ -114,9 +114,12 @@ def _register_ordered() -> bool:
             from torch._higher_order_ops.effects import _register_effectful_op as register
         except ImportError:
             return False
-    for op in KINDS.values():
-        register(op, EffectType.ORDERED)
+    register(op, EffectType.ORDERED)
     return True
+
+
+def _register_ordered() -> bool:
+    return all([register_ordered(op) for op in KINDS.values()])
 
 
 ordered = _register_ordered()

@@ -16,7 +16,7 @@ import torch
 from mimo_fx.symbolic import Expr
 
 from .comm import Comm
-from .lowering import Cat, Node, Op, Program, View
+from .lowering import AddAt, Cat, Node, Op, Program, Take, View
 
 __all__ = ["CompiledExecutor", "issue", "Numbers"]
 
@@ -44,26 +44,44 @@ class Numbers:
 PLAIN = Numbers()
 
 
-def _build(entries: list, node: Node, num: Numbers) -> torch.Tensor:
+def _build(entries: list, node: Node, num: Numbers, inputs: tuple = ()) -> torch.Tensor:
     if isinstance(node, View):
         t = entries[node.entry]
         return t if node.index is None else t[num.index(node.index)]
     if isinstance(node, Cat):
-        return torch.cat([_build(entries, part, num) for part in node.parts], node.dim)
+        return torch.cat([_build(entries, part, num, inputs) for part in node.parts], node.dim)
+    if isinstance(node, Take):
+        rows = _build(entries, node.node, num, inputs)
+        if _none(rows):  # (its index is empty too: a compiler cannot index no rows)
+            return rows
+        return rows.index_select(0, inputs[node.index])
+    if isinstance(node, AddAt):
+        rows = _build(entries, node.node, num, inputs)
+        out = rows.new_zeros(num.all(node.shape))
+        if _none(out):  # nothing to add to (a rank off that side): no op a compiler sees
+            return out
+        return out.index_add_(0, inputs[node.index], rows)
     out = entries[0].new_empty(num.all(node.shape))
     for entry, src, dst in node.writes:
         out[num.index(dst)] = entries[entry][num.index(src)]
     return out
 
 
+def _none(t: torch.Tensor) -> bool:
+    """Whether ``t`` has no rows, known while tracing (a static 0)."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return guard_or_false(t.shape[0] == 0)
+
+
 def _pad(entries: list, item, num: Numbers) -> torch.Tensor:
     return entries[0].new_zeros(num(item))
 
 
-def _pack(entries: list, op: Op, wire, num: Numbers) -> torch.Tensor:
+def _pack(entries: list, op: Op, wire, num: Numbers, inputs: tuple = ()) -> torch.Tensor:
     items = op.pack
     if len(items) == 1 and not isinstance(items[0], int | Expr):
-        flat = _build(entries, items[0], num).reshape(-1)
+        flat = _build(entries, items[0], num, inputs).reshape(-1)
     elif op.stack:
         flat = torch.stack([_build(entries, item, num) for item in items
                             if not isinstance(item, int | Expr)]).view(-1)
@@ -108,8 +126,10 @@ class CompiledExecutor:
         self.comm = comm
         self.comm_dtype = comm_dtype
 
-    def run(self, program: Program, tensors: tuple[torch.Tensor, ...], env: dict | None = None):
-        """``program`` on ``(local,)``; a template program's numbers at ``env``."""
+    def run(self, program: Program, tensors: tuple[torch.Tensor, ...], env: dict | None = None,
+            inputs: tuple[torch.Tensor, ...] = ()):
+        """``program`` on ``(local,)``; a template program's numbers at ``env``; a row
+        program's index vectors are ``inputs``."""
         (local,) = tensors
         num = PLAIN if env is None else Numbers(env)
         dtype = local.dtype
@@ -121,13 +141,13 @@ class CompiledExecutor:
         entries: list[torch.Tensor | None] = [canon]
         wire = self.comm_dtype
         for op in program.ops:
-            flat = issue(self.comm, op, _pack(entries, op, wire, num), num)
+            flat = issue(self.comm, op, _pack(entries, op, wire, num, inputs), num)
             if wire is not None:
                 flat = flat.to(dtype)
             entries += _unpacked(flat, op, num)
         if program.out is None:
             return (local.new_empty((0,) * program.out_ndim),)
-        out = _build(entries, program.out, num)
+        out = _build(entries, program.out, num, inputs)
         if program.out_clone:
             out = out.clone()
         if program.out_perm is not None:

@@ -17,7 +17,7 @@ same error if a row is wrong. Under ``torch.compile`` the rows become unbacked S
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,19 +26,11 @@ from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
 from mimo_fx.local import infer_sizes
 
-from .guard import MAGIC, calls_differ, dtype_code
+from .guard import MAGIC, calls_differ, dtype_code, int_tensor
 
 __all__ = ["Row", "learn_sizes", "int_tensor"]
 
 HEADER = 4  # marker, fingerprint, 1 + the tensor's dims (0: None), its dtype
-
-
-def int_tensor(values: Sequence[Any], device) -> torch.Tensor:
-    """An int64 vector of ``values`` (ints or SymInts). Built as a sum with a zeros
-    tensor: a tensor made from constants alone would be constant-folded by the
-    compiler, which would then run the collective it feeds while tracing."""
-    const = torch.tensor(list(values), dtype=torch.int64, device=device)
-    return torch.zeros(len(values), dtype=torch.int64, device=device) + const
 
 
 class Row:
@@ -82,9 +74,35 @@ def learn_sizes(rows, ranks: tuple[int, ...], src: Layout, given: dict, print_: 
     shapes = {r: tuple(row[HEADER:HEADER + ndim]) for r, row in zip(ranks, rows)
               if src.holds(r)}
     try:
-        return infer_sizes(src, shapes, dict(given), check)
+        sizes = infer_sizes(src, shapes, dict(given), check)
     except MimoFxError as err:
         raise MimoFxError(context + str(err)) from None
+    if not compiling:  # every holder's shape at the sizes, seen by every rank
+        wrong = _wrong_shapes(src, shapes, sizes)
+        if wrong:
+            raise MimoFxError(context + "the size exchange found:\n  " + "\n  ".join(wrong))
+    return sizes
+
+
+def _wrong_shapes(src: Layout, shapes: dict, sizes: dict) -> list[str]:
+    """Holders whose local shape is not their piece's at ``sizes`` (a size given in the
+    call that a holder's tensor contradicts)."""
+    from mimo_fx.local import local_shape
+    from mimo_fx.regions import Tiling
+
+    try:
+        tiling = Tiling.of(src, src.dims, sizes)
+    except MimoFxError as err:
+        return [str(err)]
+    out = []
+    text = ", ".join(f"{d}={sizes[d]}" for d in src.dims)
+    for rank, shape in shapes.items():
+        want = local_shape(src, tiling, rank)
+        if tuple(shape) != tuple(want):
+            out.append(f"rank {rank}: local tensor has shape {tuple(shape)} but src "
+                       f"{src.describe()!r} gives it shape {want} at {text}; pass its piece, "
+                       f"or the sizes it has")
+    return out
 
 
 def _row_problems(rows, ranks, src: Layout, print_: int, ndim: int,

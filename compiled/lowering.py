@@ -39,8 +39,8 @@ from mimo_fx.regions import Box, Interval, Tiling, box_volume
 from mimo_fx.sizes import Symbolizer
 from mimo_fx.symbolic import Expr, Undecided, hint, known_ge, smax, smin
 
-__all__ = ["View", "Cat", "Scatter", "Op", "Program", "lower", "coalesce", "at", "evaluator",
-           "symbolic"]
+__all__ = ["View", "Cat", "Scatter", "Take", "AddAt", "Op", "Program", "lower", "lower_rows",
+           "coalesce", "at", "evaluator", "symbolic", "row_variables"]
 
 Block = tuple[tuple[Interval, ...], ...]  # per dim, intervals in storage order
 
@@ -69,7 +69,26 @@ class Scatter:
     writes: tuple[tuple[int, tuple[slice, ...], tuple[slice, ...]], ...]
 
 
-Node = View | Cat | Scatter
+@dataclass(frozen=True)
+class Take:
+    """``node``'s rows at program input ``index`` (an int64 vector): ``index_select``
+    along the first dim (row programs, :func:`lower_rows`)."""
+
+    node: Node
+    index: int
+
+
+@dataclass(frozen=True)
+class AddAt:
+    """A zero tensor of ``shape`` with ``node``'s rows added at the rows program input
+    ``index`` names (``index_add`` along the first dim)."""
+
+    shape: tuple
+    index: int
+    node: Node
+
+
+Node = View | Cat | Scatter | Take | AddAt
 
 
 @dataclass(frozen=True)
@@ -480,7 +499,7 @@ def _numbers(obj: Any):
     elif isinstance(obj, tuple):
         for item in obj:
             yield from _numbers(item)
-    elif isinstance(obj, View | Cat | Scatter | Op | Program):
+    elif isinstance(obj, View | Cat | Scatter | Take | AddAt | Op | Program):
         for name in obj.__dataclass_fields__:
             yield from _numbers(getattr(obj, name))
 
@@ -520,7 +539,7 @@ def _walker(obj: Any):
             return _CONST
 
         return _tuple_walker(list(obj), parts)
-    if isinstance(obj, View | Cat | Scatter | Op | Program):
+    if isinstance(obj, View | Cat | Scatter | Take | AddAt | Op | Program):
         fields = [(n, w) for n in obj.__dataclass_fields__
                   if (w := _walker(getattr(obj, n))) is not _CONST]
         if not fields:
@@ -537,3 +556,47 @@ def _tuple_walker(base: list, parts: list) -> Callable[[Any], tuple]:
             out[i] = w(env)
         return tuple(out)
     return tuple_at
+
+
+# -- row programs ------------------------------------------------------------------------
+def row_variables(n_ranks: int, features: tuple[str, ...]) -> tuple[tuple, ...]:
+    """A row program's variables: a route's counts (``("n", k)``, in
+    :attr:`mimo_fx.rows.RankRoute.counts` order) and the feature sizes (``("f", d)``)."""
+    return (*(("n", k) for k in range(4 * n_ranks + 3)), *(("f", d) for d in features))
+
+
+def lower_rows(ranks: tuple[int, ...], features: tuple[str, ...], holds_src: bool = True,
+               holds_dst: bool = True) -> tuple[Program, Program]:
+    """The forward and adjoint programs of every row plan over ``ranks`` (one rank's;
+    the same for every rank and every plan): its numbers are the route's counts and the
+    feature sizes (:func:`row_variables`), its program inputs the route's index vectors
+    (:data:`mimo_fx.rows.ROUTE_INDEX` order). Forward: the rows it sends, one
+    all-to-all, its dst piece from what it received; backward: its counted cotangent
+    rows summed per distinct row, one all-to-all, added into its src gradient. A rank
+    off a side gets an empty result on it (as box programs give)."""
+    p = len(ranks)
+    n: list[Any] = [Expr.var(("n", k), 1) for k in range(4 * p + 3)]
+    fsend, frecv, bsend, brecv = n[:p], n[p:2 * p], n[2 * p:3 * p], n[3 * p:4 * p]
+    n_unique, n_src, n_dst = n[4 * p], n[4 * p + 1], n[4 * p + 2]
+    feat: tuple[Any, ...] = tuple(Expr.var(("f", d), 1) for d in features)
+    width: Any = reduce(lambda a, b: a * b, feat, 1)
+    whole = View(0, None)
+
+    def exchange(pack: Node | None, send: list, recv: list) -> Op:
+        # (a rank off the sending side sends nothing: no op on its empty placeholder,
+        # which a compiler could not index)
+        received: Any = reduce(lambda a, b: a + b, recv)
+        return Op("all_to_all", ranks, (pack,) if pack is not None else (), False,
+                  ((0, (received, *feat)),),
+                  reduce(lambda a, b: a + b, send) * width,
+                  tuple(k * width for k in send), tuple(k * width for k in recv))
+
+    fwd = Program(None, None, (exchange(Take(whole, 0) if holds_src else None, fsend, frecv),),
+                  AddAt((n_dst, *feat), 2, Take(View(1, None), 1)) if holds_dst
+                  else AddAt((0, *feat), 2, View(1, None)),  # empty, of the row width
+                  False, None, None, 1 + len(feat), (n_src, *feat) if holds_src else None)
+    sums = AddAt((n_unique, *feat), 4, Take(whole, 3))
+    bwd = Program(None, None, (exchange(Take(sums, 5) if holds_dst else None, bsend, brecv),),
+                  AddAt((n_src, *feat), 6, View(1, None)) if holds_src else None, False,
+                  None, None, 1 + len(feat), (n_dst, *feat) if holds_dst else None)
+    return fwd, bwd

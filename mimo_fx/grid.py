@@ -22,11 +22,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from math import prod
 
+from .constants import constant
 from .errors import MimoFxError
 
 __all__ = ["Grid"]
 
 
+@constant
 @dataclass(frozen=True, init=False)
 class Grid:
     """Named grid axes over a contiguous range of ranks starting at ``offset``."""

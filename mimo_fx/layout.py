@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
+from .constants import constant
 from .errors import MimoFxError
 from .grid import Grid
 
@@ -43,6 +44,7 @@ class Factor:
     axes: tuple[str, ...]
 
 
+@constant
 @dataclass(frozen=True, init=False)
 class Layout:
     """A named-dim pattern over a grid, with partial, pinned and zigzag axes.

@@ -436,8 +436,13 @@ def plan(src: Layout, dst: Layout, sizes: Mapping[str, Size], dtype=None, *,
     union instead (for a caller without those groups' process groups). Pure and cached:
     equal arguments return the same object.
     """
+    from .rows import is_row_layout, plan_layouts
+
+    if is_row_layout(src) or is_row_layout(dst):
+        return plan_layouts(src, dst, sizes, _itemsize(dtype))  # type: ignore[return-value]
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
-        raise MimoFxError(f"plan needs two Layouts, got {src!r} and {dst!r}")
+        raise MimoFxError(f"plan needs two layouts, got {src!r} and {dst!r}; build them "
+                          f"with Layout(Grid(...), \"(dp b) s h\") (or PackedLayout)")
     return _plan(src, dst, check_sizes(src, dst, sizes), _itemsize(dtype), all_to_all)
 
 
@@ -473,8 +478,14 @@ def backward_plan(
     """The adjoint plan: dst cotangents -> src* (src with partial axes replicated).
 
     Cotangents on dst's replicated axes are taken as consistent, except over the axes in
-    ``grad_partial``, where each replica holds a contribution and they are summed.
+    ``grad_partial``, where each replica holds a contribution and they are summed. For
+    a packed layout on a side, the row plan holding both directions.
     """
+    from .rows import is_row_layout, plan_layouts
+
+    if is_row_layout(src) or is_row_layout(dst):
+        return plan_layouts(src, dst, sizes, _itemsize(dtype),  # type: ignore[return-value]
+                            tuple(grad_partial))
     return plan(*backward_layouts(src, dst, grad_partial), sizes, dtype)
 
 
@@ -566,16 +577,20 @@ def _check_size(dim: str, n, ragged: bool = False, prefix: str = "") -> None:
         n = tuple(n)
     if _symbolic(n):
         return
+    from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
+
     if ragged:
+        # (a traced count that may be anything passes: a run-time check covers it)
         if isinstance(n, tuple) and n and all(
-                _symbolic(c) or (not isinstance(c, bool) and isinstance(c, int) and c >= 0)
+                _symbolic(c) or (not isinstance(c, bool) and isinstance(c, int)
+                                 and guard_or_true(c >= 0))
                 for c in n):
             return
         what = "a tuple" if not isinstance(n, tuple) else "a non-empty tuple"
         raise MimoFxError(f"{prefix}dim {dim!r} is cut ragged, so its size is a tuple of "
                           f"counts: {dim}={n!r} must be {what} of non-negative integers "
                           f"(one per ragged shard, or per segment)")
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+    if isinstance(n, bool) or not isinstance(n, int) or guard_or_false(n <= 0):
         raise MimoFxError(f"{prefix}size {dim}={n!r} must be a positive integer (the global "
                           f"size)")
 

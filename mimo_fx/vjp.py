@@ -49,6 +49,7 @@ class _Redistribute(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         ctx.job = inputs[0]
         n_aux = ctx.job[5]
+        ctx.shapes = [t.shape for t in inputs[1:len(inputs) - n_aux]]
         if n_aux:
             ctx.save_for_backward(*inputs[len(inputs) - n_aux:])
 
@@ -58,9 +59,23 @@ class _Redistribute(torch.autograd.Function):
         grads = tuple(g.contiguous() for g in grads)
         with torch.no_grad():
             if not n_aux:
-                return (None, *executor.run(bwd, grads, _env(variables, values)))
-            out = executor.run(bwd, grads, _env(variables, values), ctx.saved_tensors)
+                out = executor.run(bwd, grads, _env(variables, values))
+            else:
+                out = executor.run(bwd, grads, _env(variables, values), ctx.saved_tensors)
+        # a rank holding no piece gets an empty gradient: of its input's shape (whatever
+        # empty tensor it passed)
+        out = tuple(_like_input(g, s) for g, s in zip(out, ctx.shapes))
         return (None, *out, *(None,) * n_aux)
+
+
+def _like_input(g: torch.Tensor, shape) -> torch.Tensor:
+    """``g``, or an empty gradient of the input's ``shape`` where ``g`` is empty."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
+
+    if len(g.shape) == len(shape) and all(statically_known_true(a == b)
+                                          for a, b in zip(g.shape, shape)):
+        return g
+    return g.new_zeros(shape) if guard_or_false(g.numel() == 0) else g
 
 
 def _env(variables, values) -> dict | None:

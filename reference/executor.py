@@ -37,6 +37,7 @@ from mimo_fx.plan import (
     size_arguments,
 )
 from mimo_fx.regions import Tiling
+from mimo_fx.rows import is_row_layout
 from mimo_fx.vjp import apply
 
 __all__ = ["ReferenceExecutor", "redistribute"]
@@ -121,6 +122,8 @@ def redistribute(
     """
     given = size_arguments(src, dst, sizes, dim_sizes, "redistribute (reference backend)",
                            ("sizes", "grad_partial"))
+    if is_row_layout(src) or is_row_layout(dst):
+        return _redistribute_rows(pieces, src, dst, given, tuple(grad_partial))
     holders = src.holders
     missing = [r for r in holders if r not in pieces]
     extra = [r for r in pieces if r not in holders]
@@ -136,3 +139,27 @@ def redistribute(
     bwd = backward_plan(src, dst, full, dtype, grad_partial)
     out = apply(_EXECUTOR, fwd, bwd, tuple(pieces[r] for r in holders))
     return dict(zip(dst.holders, out))
+
+
+def _redistribute_rows(pieces: dict, src, dst, given: dict, grad_partial: tuple) -> dict:
+    """A row plan (a packed layout on a side) for every rank: sizes from the pieces and
+    the layouts, the plan run by :func:`mimo_fx.reference.rows.run_rows`."""
+    from mimo_fx.rows import check_row_sizes, plan_layouts, row_dims
+
+    from .rows import run_rows
+
+    like = next(iter(pieces.values()), None)
+    if like is None:
+        raise MimoFxError("redistribute (reference backend): no pieces given")
+    rows = row_dims(src, dst)
+    features = [d for d in src.dims if d not in rows]
+    sizes = dict(given)
+    for d, n in zip(features, like.shape[1:]):
+        sizes.setdefault(d, int(n))
+    if not is_row_layout(src):
+        sizes = {**infer_sizes(src, {r: tuple(pieces[r].shape) for r in src.holders
+                                     if r in pieces}, sizes)}
+    full = check_row_sizes(src, dst, sizes)
+    p = plan_layouts(src, dst, full, like.dtype.itemsize, grad_partial)
+    out = run_rows(p, {r: t for r, t in pieces.items()})
+    return {r: out[r] for r in dst.holders}

@@ -116,7 +116,8 @@ def _world(rank: int, world: int, names: list[str], backends: tuple[str, ...]) -
                 out[backend, mode, s] = {
                     "calls": [(c.kind, c.ranks, c.numel_in) for c in calls],
                     "problems": [p for p in problems if p]}
-    expected = sum(expected_calls(b.fwd, rank) + expected_calls(b.bwd, rank) for b in bridges)
+    expected = sum(expected_calls(b.sizing.fwd, rank) + expected_calls(b.sizing.bwd, rank)
+                   for b in bridges)
     for bridge in bridges:
         bridge.destroy()
     return {"runs": out, "expected": expected}

@@ -264,7 +264,7 @@ def test_plan_dst_partial_on_other_grid():
 
 
 def test_plan_needs_layouts():
-    with pytest.raises(MimoFxError, match=r"plan needs two Layouts"):
+    with pytest.raises(MimoFxError, match=r"plan needs two layouts.*Layout\(Grid"):
         plan("(dp b) s", SRC, {"b": 2, "s": 2})  # type: ignore[arg-type]
 
 

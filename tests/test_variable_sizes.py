@@ -184,7 +184,7 @@ def _exchange_facts(rank: int) -> dict:
     # many sizes: the program cache keeps the most recent ones only
     for s in range(4, 4 * (redistributor.CACHED_SIZES + 10), 4):
         bridge(shard(torch.zeros(8, s, 6, dtype=torch.float64), src)[rank], b=8, s=s)
-    out["cache_is_bounded"] = len(bridge._cache) == redistributor.CACHED_SIZES
+    out["cache_is_bounded"] = len(bridge.sizing._cache) == redistributor.CACHED_SIZES
     bridge.destroy()
     return out
 

@@ -377,51 +377,47 @@ def _layouts(src_mesh, src_placements, shape, dst_mesh, dst_placements):
     return src, dst, sizes
 
 
-# Prepared bridges by index. Under torch.compile the index is computed once at trace time
-# (plain Python on the meshes' rank tensors, which Dynamo cannot trace) and the bridge is
-# read from this list, so the graph holds only the bridge's collectives.
-_BRIDGES: list = []
-_INDEX: dict[tuple, int] = {}
+# the layouts of every move seen: read back by index (a constant of the graph)
+_MOVES: list[tuple] = []
+_MOVE_INDEX: dict[tuple, int] = {}
 
 
 @torch.compiler.assume_constant_result
-def _bridge_index(src_mesh, src_placements, shape, dst_mesh, dst_placements, dtype,
-                  grad_partial, comm_dtype, checked) -> int:
-    from mimo_fx.compiled import prepare as compiled_prepare
-
+def _move_index(src_mesh, src_placements, shape, dst_mesh, dst_placements) -> int:
+    """The index in ``_MOVES`` of ``(src, dst, sizes)`` of a move, computed while
+    tracing (plain Python on the meshes' rank tensors, which Dynamo cannot trace)."""
     try:
         src, dst, sizes = _layouts(src_mesh, src_placements, shape, dst_mesh, dst_placements)
-        key = (src, dst, tuple(sizes.items()), dtype, grad_partial, comm_dtype, checked)
-        index = _INDEX.get(key)
-        live = index is not None and _BRIDGES[index]._live
-        if not live and torch.compiler.is_compiling():
-            raise MimoFxError(
-                "under torch.compile its process groups must be prepared first: call it "
-                "once eagerly, or mimo_fx.interop.dtensor.prepare(x, dst_mesh, dst_placements), on "
-                "every rank before compiling")
-        bridge = compiled_prepare(src, dst, sizes, dtype, grad_partial=grad_partial,
-                                  comm_dtype=comm_dtype, checked=checked)
     except MimoFxError as err:
         raise MimoFxError(f"redistribute DTensor of shape {shape} from {src_placements} on "
                           f"{src_mesh} to {dst_placements} on {dst_mesh}: {err}") from None
-    if index is None:
-        index = _INDEX[key] = len(_BRIDGES)
-        _BRIDGES.append(bridge)
-    _BRIDGES[index] = bridge
-    return index
+    move = (src, dst, tuple(sizes.items()))
+    if move not in _MOVE_INDEX:
+        _MOVE_INDEX[move] = len(_MOVES)
+        _MOVES.append(move)
+    return _MOVE_INDEX[move]
 
 
-def _index_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked) -> int:
-    return _bridge_index(x.device_mesh, tuple(x.placements), tuple(x.shape), dst_mesh,
-                         tuple(dst_placements), x.dtype, tuple(grad_partial), comm_dtype,
-                         checked)
+def _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked):
+    """The bridge moving ``x`` (from the one bridge cache, see mimo_fx.compiled)."""
+    from mimo_fx.compiled import bridge_for
+    from mimo_fx.compiled.options import Options
+
+    src, dst, sizes = _MOVES[_move_index(x.device_mesh, tuple(x.placements),
+                                         tuple(x.shape), dst_mesh, tuple(dst_placements))]
+    opts = Options(x.dtype, tuple(grad_partial), comm_dtype, checked)
+    try:
+        return bridge_for(src, dst, opts, dict(sizes), "redistribute_dtensor")
+    except MimoFxError as err:
+        raise MimoFxError(f"redistribute DTensor of shape {tuple(x.shape)} from "
+                          f"{tuple(x.placements)} to {tuple(dst_placements)}: {err}") from None
 
 
 def prepare(x, dst_mesh, dst_placements: Sequence, *, grad_partial=(), comm_dtype=None,
             checked: bool = False) -> None:
     """Create, on every rank, the process groups :func:`redistribute_dtensor` needs, so
     that it traces under ``torch.compile`` (one eager call does the same)."""
-    _index_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked)
+    _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked)
 
 
 def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=(),
@@ -451,8 +447,7 @@ def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=
 
     if not isinstance(x, DTensor):
         raise MimoFxError(f"redistribute_dtensor takes a DTensor, got {type(x).__name__}")
-    bridge = _BRIDGES[_index_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype,
-                                checked)]
+    bridge = _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked)
     rank = dist.get_rank()
     y = bridge(x.to_local() if bridge.src.holds(rank) else None)
     if y is None or not bridge.dst.holds(rank):
