@@ -97,15 +97,17 @@ class CommOp:
     """One kind of collective: its ordered custom op ``mimo_fx::<kind>`` (``op``, run on
     a group's registered name), how a comm's arguments ``(flat, ranks, group, out_splits,
     in_splits)`` become the op's (``args``), the op's output for tracing (``fake``, on the
-    op's arguments), and ``compute``: every member's output from every member's
+    op's arguments), ``compute``: every member's output from every member's
     ``(flat, out_splits, in_splits)``, in member order -- the collective's meaning in
-    plain tensor math, which in-process comms run."""
+    plain tensor math, which in-process comms run -- and the names torch's Flight
+    Recorder gives it (``recorded``, read by :mod:`.trace`)."""
 
     kind: Collective
     op: Any
     args: Callable[..., tuple]
     fake: Callable[..., torch.Tensor]
     compute: Callable[[list[torch.Tensor], list[Splits], list[Splits]], list[torch.Tensor]]
+    recorded: tuple[str, ...]
 
     def __call__(self, flat: torch.Tensor, ranks: Ranks, group: str, out_splits: Splits = (),
                  in_splits: Splits = ()) -> torch.Tensor:
@@ -117,7 +119,8 @@ class CommOp:
         return self.fake(*self.args(flat, ranks, "", out_splits, in_splits))
 
 
-def _comm_op(kind: Collective, params: str, run, fake, args, compute) -> CommOp:
+def _comm_op(kind: Collective, params: str, run, fake, args, compute,
+             recorded: tuple[str, ...]) -> CommOp:
     """The entry of ``kind``: its op ``mimo_fx::<kind>(<params>) -> Tensor``, defined once
     (``run`` on real tensors, every device; ``fake`` for tracing)."""
     name = kind.value
@@ -125,7 +128,7 @@ def _comm_op(kind: Collective, params: str, run, fake, args, compute) -> CommOp:
         _LIB.define(f"{name}({params}) -> Tensor")
         _LIB.impl(name, run, "CompositeExplicitAutograd")
         torch.library.register_fake(f"mimo_fx::{name}", fake, lib=_LIB)
-    return CommOp(kind, getattr(torch.ops.mimo_fx, name).default, args, fake, compute)
+    return CommOp(kind, getattr(torch.ops.mimo_fx, name).default, args, fake, compute, recorded)
 
 
 def _gathered(flats, out_splits, in_splits) -> list[torch.Tensor]:
@@ -161,20 +164,20 @@ OPS: dict[Collective, CommOp] = {op.kind: op for op in (
         lambda flat, n, group: _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, n, group)),
         lambda flat, n, group: flat.new_empty(flat.numel() * n),
         lambda flat, ranks, group, out_splits, in_splits: (flat, len(ranks), group),
-        _gathered),
+        _gathered, ("_allgather_base", "all_gather_into_tensor")),
     _comm_op(
         Collective.REDUCE_SCATTER, "Tensor flat, int group_size, str group",
         lambda flat, n, group: _c10d.wait_tensor(
             _c10d.reduce_scatter_tensor(flat, "sum", n, group)),
         lambda flat, n, group: flat.new_empty(flat.numel() // n),
         lambda flat, ranks, group, out_splits, in_splits: (flat, len(ranks), group),
-        _reduced_scattered),
+        _reduced_scattered, ("_reduce_scatter_base", "reduce_scatter_tensor")),
     _comm_op(
         Collective.ALL_REDUCE, "Tensor flat, str group",
         lambda flat, group: _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", group)),
         lambda flat, group: flat.new_empty(flat.numel()),
         lambda flat, ranks, group, out_splits, in_splits: (flat, group),
-        _reduced),
+        _reduced, ("allreduce",)),
     _comm_op(
         Collective.ALL_TO_ALL,
         "Tensor flat, SymInt[] out_splits, SymInt[] in_splits, str group",
@@ -183,7 +186,7 @@ OPS: dict[Collective, CommOp] = {op.kind: op for op in (
         lambda flat, out_splits, in_splits, group: flat.new_empty(sum(out_splits)),
         lambda flat, ranks, group, out_splits, in_splits: (
             flat, list(out_splits), list(in_splits), group),
-        _exchanged),
+        _exchanged, ("alltoall_base",)),
 )}
 
 

@@ -65,20 +65,13 @@ def _group_ranks() -> dict[str, tuple[int, ...]]:
     return {name: tuple(dist.get_process_group_ranks(pg)) for pg, name in world.pg_names.items()}
 
 
-# the names torch records for the collectives mimo_fx issues
-_RECORDED = {
-    "_allgather_base": Collective.ALL_GATHER, "all_gather_into_tensor": Collective.ALL_GATHER,
-    "_reduce_scatter_base": Collective.REDUCE_SCATTER,
-    "reduce_scatter_tensor": Collective.REDUCE_SCATTER,
-    "allreduce": Collective.ALL_REDUCE, "alltoall_base": Collective.ALL_TO_ALL,
-}
-
-
 def _kind(name: str) -> Collective | str:
-    """The collective a record names, or torch's own name for any other (a send, a
-    barrier)."""
+    """The collective a record names (by the names :data:`.comm.OPS` lists), or torch's
+    own name for any other (a send, a barrier)."""
+    from .comm import OPS
+
     kind = name.split(":", 1)[-1]
-    return _RECORDED.get(kind, kind)
+    return next((k for k, op in OPS.items() if kind in op.recorded), kind)
 
 
 def since(start: int) -> list[Call]:

@@ -2,8 +2,8 @@
 
 The compiled backend's programs, without processes: each rank runs its program in a
 thread and the collectives meet in a rendezvous that computes them with the comm
-table's plain tensor math (``mimo_fx.compiled.comm.OPS``). A mismatch of collectives between ranks (kinds, split sizes, a rank that never
-comes) fails with the ranks named.
+table's plain tensor math (``mimo_fx.compiled.comm.OPS``). A mismatch of collectives
+between ranks (kinds, split sizes, a rank that never comes) fails with the ranks named.
 """
 
 from __future__ import annotations
