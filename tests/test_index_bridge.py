@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from threads import ThreadComm, _Rendezvous
 
-from mimo_fx import Grid, Layout, MimoFxError
+from mimo_fx import Collective, Grid, Layout, MimoFxError
 from mimo_fx.compiled.index import index_bridge
 from mimo_fx.index import layout_rows, plan_rows, seed_bytes
 from mimo_fx.packed import Packing, image_rows, pack_shard
@@ -107,7 +107,7 @@ def run_threads(plan, x, src_rows, weights):
             y = index_bridge(piece, plan.route(rank), comm=comm, rank=rank)
             (g,) = torch.autograd.grad((y * weights[rank]).sum(), piece, allow_unused=True)
             out[rank] = (y.detach(), torch.zeros_like(piece) if g is None else g)
-            assert comm.issued == [("all_to_all", plan.ranks)] * 2, comm.issued
+            assert comm.issued == [(Collective.ALL_TO_ALL, plan.ranks)] * 2, comm.issued
         except BaseException as err:  # reported below
             errors.append(f"rank {rank}: {type(err).__name__}: {err}")
 
