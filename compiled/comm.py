@@ -99,8 +99,8 @@ class CommOp:
     in_splits)`` become the op's (``args``), the op's output for tracing (``fake``, on the
     op's arguments), ``compute``: every member's output from every member's
     ``(flat, out_splits, in_splits)``, in member order -- the collective's meaning in
-    plain tensor math, which in-process comms run -- and the names torch's Flight
-    Recorder gives it (``recorded``, read by :mod:`.trace`)."""
+    plain tensor math, which in-process comms run -- and the names other than its own
+    that torch's Flight Recorder gives it (``recorded``, read by :mod:`.trace`)."""
 
     kind: Collective
     op: Any

@@ -66,12 +66,13 @@ def _group_ranks() -> dict[str, tuple[int, ...]]:
 
 
 def _kind(name: str) -> Collective | str:
-    """The collective a record names (by the names :data:`.comm.OPS` lists), or torch's
-    own name for any other (a send, a barrier)."""
+    """The collective a record names (its own name, or one :data:`.comm.OPS` lists for
+    it), or torch's name for any other (a send, a barrier). gloo records a
+    reduce-scatter as the all-reduce it emulates it with."""
     from .comm import OPS
 
     kind = name.split(":", 1)[-1]
-    return next((k for k, op in OPS.items() if kind in op.recorded), kind)
+    return next((k for k, op in OPS.items() if kind == k.value or kind in op.recorded), kind)
 
 
 def since(start: int) -> list[Call]:

@@ -159,7 +159,7 @@ def test_group_members_issue_the_same_sequence(world_runs, backend, mode):
         for rank, run in enumerate(per_rank):
             for kind, ranks, numel in run["calls"]:
                 # all-to-all sizes differ per member by design; the others must agree
-                size = None if kind is Collective.ALL_TO_ALL else numel
+                size = None if kind == Collective.ALL_TO_ALL else numel
                 seen[tuple(ranks)].setdefault(rank, []).append((kind, size))
         for ranks, by_rank in seen.items():
             assert set(by_rank) == set(ranks), \

@@ -97,7 +97,6 @@ def test_every_comm_op_is_one_consistent_entry(kind: Collective):
     got = entry.compute(flats, outs, ins)
     for i, flat in enumerate(flats):
         assert got[i].shape == entry.output(flat, ranks, outs[i], ins[i]).shape
-    assert entry.recorded, f"{kind.value}: list the names Flight Recorder gives it"
 
 
 def _first_case(kind: Collective):
