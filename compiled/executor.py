@@ -94,10 +94,10 @@ def _pack(entries: list, op: Op, wire, num: Numbers, inputs: tuple = ()) -> torc
 
 
 def issue(comm: Comm, op: Op, flat: torch.Tensor, num: Numbers = PLAIN) -> torch.Tensor:
-    """Run ``op``'s collective on its packed input through ``comm``."""
-    if op.kind == "all_to_all":
-        return comm.all_to_all(flat, num.all(op.out_splits), num.all(op.in_splits), op.ranks)
-    return getattr(comm, op.kind)(flat, op.ranks)
+    """Run ``op``'s collective on its packed input through ``comm`` (whose table,
+    keyed by the op's kind, says how)."""
+    return comm.collective(op.kind, flat, op.ranks, num.all(op.out_splits),
+                           num.all(op.in_splits))
 
 
 def _unpacked(flat: torch.Tensor, op: Op, num: Numbers) -> list:

@@ -34,7 +34,18 @@ from typing import Any
 
 from mimo_fx.errors import MimoFxError
 from mimo_fx.local import box_slices
-from mimo_fx.plan import AllReduce, Exchange, Gather, Plan, RankPlan, Reduce, ReduceScatter
+from mimo_fx.plan import (
+    AllReduce,
+    Collective,
+    Exchange,
+    Gather,
+    Plan,
+    RankPlan,
+    Reduce,
+    ReduceScatter,
+    Step,
+    kind_of,
+)
 from mimo_fx.regions import Box, Interval, Tiling, box_volume
 from mimo_fx.sizes import Symbolizer
 from mimo_fx.symbolic import Expr, Undecided, hint, known_ge, smax, smin
@@ -102,7 +113,7 @@ class Op:
     is the packed input's length.
     """
 
-    kind: str
+    kind: Collective
     ranks: tuple[int, ...]
     pack: tuple[Node | int, ...]
     stack: bool
@@ -372,10 +383,28 @@ def lower(plan: Plan | RankPlan, rank: int, sym: Symbolizer | None = None) -> Pr
                    len(plan.dst.local_dims), src_shape)
 
 
-def _lower_step(step, rank: int, res: _Resolver) -> Op | None:
-    return _LOWER[type(step)](step, rank, res)
+# one lowering function per step kind, registered with @_lowers(kind)
+_LOWER: dict[Collective, Callable[[Any, int, _Resolver], Op | None]] = {}
 
 
+def _lowers(kind: Collective):
+    def register(fn):
+        assert kind not in _LOWER, f"{kind.value} is lowered twice"
+        _LOWER[kind] = fn
+        return fn
+    return register
+
+
+def _lower_step(step: Step, rank: int, res: _Resolver) -> Op | None:
+    kind = kind_of(step)
+    if kind not in _LOWER:
+        raise MimoFxError(f"no lowering for {type(step).__name__} ({kind.value}) steps: "
+                          f"register one with @_lowers(Collective.{kind.name}) in "
+                          f"compiled/lowering.py")
+    return _LOWER[kind](step, rank, res)
+
+
+@_lowers(Collective.ALL_TO_ALL)
 def _lower_exchange(step: Exchange, rank: int, res: _Resolver) -> Op | None:
     if rank not in step.ranks:
         return None
@@ -390,13 +419,14 @@ def _lower_exchange(step: Exchange, rank: int, res: _Resolver) -> Op | None:
     send_blocks = [b for r in step.ranks for b in coalesce(send.get(r, ()))]
     pack, stack, numel = _pack(res, send_blocks)
     blocks, unpack = _unpack(*_laid_out(out_parts))
-    op = Op("all_to_all", step.ranks, tuple(pack), stack, tuple(unpack), numel,
+    op = Op(Collective.ALL_TO_ALL, step.ranks, tuple(pack), stack, tuple(unpack), numel,
             tuple(sum(map(box_volume, send.get(r, ()))) for r in step.ranks),
             tuple(sum(map(box_volume, recv.get(r, ()))) for r in step.ranks))
     res.new(blocks)
     return op
 
 
+@_lowers(Collective.ALL_GATHER)
 def _lower_gather(step: Gather, rank: int, res: _Resolver) -> Op | None:
     g = _member(step.groups, rank)
     if g is None:
@@ -411,7 +441,7 @@ def _lower_gather(step: Gather, rank: int, res: _Resolver) -> Op | None:
         return _gather_as_all_to_all(ranks, parts, volumes, rank, res)
     pack, stack, numel = _pack(res, coalesce(parts[ranks.index(rank)]), chunk)
     blocks, unpack = _unpack(*_laid_out([coalesce(p) for p in parts], chunk))
-    op = Op("all_gather", ranks, tuple(pack), stack, tuple(unpack), numel)
+    op = Op(Collective.ALL_GATHER, ranks, tuple(pack), stack, tuple(unpack), numel)
     res.new(blocks)
     return op
 
@@ -425,7 +455,7 @@ def _gather_as_all_to_all(ranks, parts, volumes, rank: int, res: _Resolver) -> O
     others = [j for j in range(len(ranks)) if j != me]
     pack, _, _ = _pack(res, own * len(others))
     blocks, unpack = _unpack(*_laid_out([coalesce(parts[j]) for j in others]))
-    op = Op("all_to_all", ranks, tuple(pack), False, tuple(unpack),
+    op = Op(Collective.ALL_TO_ALL, ranks, tuple(pack), False, tuple(unpack),
             volumes[me] * len(others),
             tuple(0 if j == me else volumes[me] for j in range(len(ranks))),
             tuple(0 if j == me else volumes[j] for j in range(len(ranks))))
@@ -452,6 +482,7 @@ def _reduce_group(step: Reduce, rank: int, res: _Resolver):
     return g, ranks, parts, chunk
 
 
+@_lowers(Collective.ALL_REDUCE)
 def _lower_all_reduce(step: AllReduce, rank: int, res: _Resolver) -> Op | None:
     if (group := _reduce_group(step, rank, res)) is None:
         return None
@@ -459,11 +490,12 @@ def _lower_all_reduce(step: AllReduce, rank: int, res: _Resolver) -> Op | None:
     region = coalesce(step.regions[g])
     pack, stack, numel = _pack(res, region)
     blocks, unpack = _unpack(*_laid_out([region]))
-    op = Op("all_reduce", ranks, tuple(pack), stack, tuple(unpack), numel)
+    op = Op(Collective.ALL_REDUCE, ranks, tuple(pack), stack, tuple(unpack), numel)
     res.new(blocks, replace_all=True)
     return op
 
 
+@_lowers(Collective.REDUCE_SCATTER)
 def _lower_reduce_scatter(step: ReduceScatter, rank: int, res: _Resolver) -> Op | None:
     if (group := _reduce_group(step, rank, res)) is None:
         return None
@@ -474,15 +506,10 @@ def _lower_reduce_scatter(step: ReduceScatter, rank: int, res: _Resolver) -> Op 
         pack += items
         numel += n
     blocks, unpack = _unpack(*_laid_out([coalesce(parts[ranks.index(rank)])]))
-    op = Op("reduce_scatter", ranks, tuple(pack), False, tuple(unpack), numel)
+    op = Op(Collective.REDUCE_SCATTER, ranks, tuple(pack), False, tuple(unpack), numel)
     res.new(blocks, replace_all=True)
     return op
 
-
-# one lowering function per step class
-_LOWER: dict[type, Callable[[Any, int, _Resolver], Op | None]] = {
-    Exchange: _lower_exchange, Gather: _lower_gather, ReduceScatter: _lower_reduce_scatter,
-    AllReduce: _lower_all_reduce}
 
 
 # -- numbers of a template program ------------------------------------------------------
@@ -586,7 +613,7 @@ def lower_rows(ranks: tuple[int, ...], features: tuple[str, ...], holds_src: boo
         # (a rank off the sending side sends nothing: no op on its empty placeholder,
         # which a compiler could not index)
         received: Any = reduce(lambda a, b: a + b, recv)
-        return Op("all_to_all", ranks, (pack,) if pack is not None else (), False,
+        return Op(Collective.ALL_TO_ALL, ranks, (pack,) if pack is not None else (), False,
                   ((0, (received, *feat)),),
                   reduce(lambda a, b: a + b, send) * width,
                   tuple(k * width for k in send), tuple(k * width for k in recv))

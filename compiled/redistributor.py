@@ -305,7 +305,7 @@ def _log_plans(bridge: Redistributor) -> None:
     for what, layouts, program in parts:
         # the bytes need the whole plan: planned here only when someone asks for them
         p = plan(*layouts, bridge.fixed, bridge.dtype)
-        calls = ", ".join(f"{op.kind} over {len(op.ranks)} ranks"
+        calls = ", ".join(f"{op.kind.value} over {len(op.ranks)} ranks"
                           for op in program.ops) or "no collective"
         LOG.debug("rank %d: %s %s: %s; sends %s, receives %s", rank, bridge._label, what,
                   calls, format_bytes(p.bytes_sent.get(rank, 0)),

@@ -150,16 +150,7 @@ def _transfers_text(p: Plan) -> list[str]:
 def _collectives_text(p: Plan) -> str:
     if not p.steps:
         return "collectives: none (every dst rank slices what it holds)"
-    parts = []
-    for step in p.steps:
-        if isinstance(step, Exchange):
-            parts.append(f"{step.kind.value} over {len(step.ranks)} ranks "
-                         f"({len(step.transfers)} transfers)")
-        else:
-            sizes = sorted({len(g) for g in step.groups})
-            parts.append(f"{step.kind.value} in {len(step.groups)} group(s) of "
-                         f"{'/'.join(map(str, sizes))}")
-    return "collectives: " + ", then ".join(parts)
+    return "collectives: " + ", then ".join(step.summary() for step in p.steps)
 
 
 def _summary(p: Plan) -> str:

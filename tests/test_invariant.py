@@ -29,6 +29,7 @@ from harness import (
     oracle_data,
 )
 
+from mimo_fx import Collective
 from mimo_fx.reference import shard
 from mimo_fx.testing import run_world
 
@@ -159,7 +160,7 @@ def test_group_members_issue_the_same_sequence(world_runs, backend, mode):
         for rank, run in enumerate(per_rank):
             for kind, ranks, numel in run["calls"]:
                 # all-to-all sizes differ per member by design; the others must agree
-                size = None if kind == "all_to_all" else numel
+                size = None if kind == Collective.ALL_TO_ALL else numel
                 seen[tuple(ranks)].setdefault(rank, []).append((kind, size))
         for ranks, by_rank in seen.items():
             assert set(by_rank) == set(ranks), \

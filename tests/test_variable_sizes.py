@@ -25,7 +25,7 @@ import random
 import pytest
 import torch
 
-from mimo_fx import Grid, Layout
+from mimo_fx import Collective, Grid, Layout
 from mimo_fx.testing import run_world
 
 ENC = Grid(tp=2, dp=4)
@@ -172,8 +172,8 @@ def _exchange_facts(rank: int) -> dict:
     y2 = bridge(x, b=8, s=16)              # every size given: the data only
     given = trace.since(start)
     out["exchange_only_when_sizes_are_missing"] = (
-        [c.kind for c in learned] == ["all_gather", "all_gather"]
-        and [c.kind for c in given] == ["all_gather"]
+        [c.kind for c in learned] == [Collective.ALL_GATHER] * 2
+        and [c.kind for c in given] == [Collective.ALL_GATHER]
         and learned[0].ranks == tuple(range(8)) and torch.equal(y, y2)
         and torch.equal(y, shard(X, dst)[rank]))
     # uneven sizes (b=7 over dp 4 and 2, s=10 not a multiple of the zigzag granule 4 is
