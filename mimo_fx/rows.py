@@ -199,6 +199,12 @@ class RowPlan:
             rows = [list(col) for col in zip(*rows)]
         return [tuple(r) for r in rows]
 
+    def pairs(self, direction: str = "forward") -> dict[tuple[int, int], int]:
+        """Rows each rank sends each other rank in ``direction``: ``{(src, dst): rows}``."""
+        sent = self._counts(direction, 0)
+        return {(s, d): n for i, s in enumerate(self.ranks) for j, d in enumerate(self.ranks)
+                if i != j and (n := sent[i][j])}
+
     def lower_bound(self) -> dict[int, int]:
         """Per rank, the distinct rows it needs and does not hold: what any scheme must
         bring it forward."""
