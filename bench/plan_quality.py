@@ -57,7 +57,7 @@ replica with its encoder ranks (replicas are independent and identical, and at 6
 the whole world's numbers equal one replica's), the ``planned`` column says which.
 
 - fwd recv / bound / bwd sent: the most any CP rank receives forward, the lower bound
-  (``plan.lower_bound()``: the distinct rows it needs), the most it sends back. Every
+  (``plan.needed_rows()``: the distinct rows it needs), the most it sends back. Every
   CP rank must receive exactly its bound and send exactly that back, and every encoder
   rank must get back what it sent; a row where not is flagged ``CHECK`` (exit status 1).
 - seed fwd / seed bwd: the seed scheme per CP rank (``mimo_fx.rows.seed_bytes`` / cp):
@@ -497,7 +497,7 @@ class DeliveryRow:
 
     @property
     def bound(self) -> float:
-        return self._cp_max(self.plan.lower_bound().__getitem__)
+        return self._cp_max(self.plan.needed_rows().__getitem__)
 
     @property
     def bwd_sent(self) -> float:
@@ -520,7 +520,7 @@ class DeliveryRow:
         """Every rank receives its lower bound forward and sends it back, the encoder gets
         back what it sent, and the seed moves at least cp times as many bytes."""
         p = self.plan
-        bound = p.lower_bound()
+        bound = p.needed_rows()
         return (p.received("forward") == bound
                 and all(p.sent("backward")[r] == bound[r] for r in self.dl.dst_ranks)
                 and all(p.received("backward")[r] == p.sent("forward")[r]

@@ -26,7 +26,7 @@ copy), its per-rank numbers in :class:`RankRoute`, so executors decide nothing.
 rows: 4 rows over ranks (0, 1), 1 all_to_all each way
   forward: 0 -> 1: rows [1]; 1 -> 0: rows [3]
   cost: max recv 1 row(s)/rank (lower bound 1)
->>> p.received(), p.lower_bound()
+>>> p.received(), p.needed_rows()
 ({0: 1, 1: 1}, {0: 1, 1: 1})
 >>> p.route(0).gather  # rank 0's dst rows from what it receives: its own 0, then 3
 (1, 0, 1)
@@ -35,8 +35,9 @@ rows: 4 rows over ranks (0, 1), 1 all_to_all each way
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -116,6 +117,8 @@ class RowPlan:
     sender: tuple[int, ...]
     sends: tuple[tuple[Ints, ...], ...]
     row_bytes: int = 4  # bytes of one row (its elements times the item size)
+    src: Any = None  # the layouts planned between (plan_layouts), None for raw maps
+    dst: Any = None
 
     def index(self, rank: int) -> int:
         """The position of ``rank`` in :attr:`ranks`."""
@@ -205,11 +208,17 @@ class RowPlan:
         return {(s, d): n for i, s in enumerate(self.ranks) for j, d in enumerate(self.ranks)
                 if i != j and (n := sent[i][j])}
 
-    def lower_bound(self) -> dict[int, int]:
+    def needed_rows(self) -> dict[int, int]:
         """Per rank, the distinct rows it needs and does not hold: what any scheme must
         bring it forward."""
         return {r: len({g for g in d if g >= 0} - set(s))
                 for r, s, d in zip(self.ranks, self.src_rows, self.dst_rows)}
+
+    @property
+    def lower_bound(self) -> dict[int, int]:
+        """Per dst rank, the bytes of :meth:`needed_rows` (as ``Plan.lower_bound``)."""
+        holders = set(self.dst.holders) if self.dst is not None else set(self.ranks)
+        return {r: n * self.row_bytes for r, n in self.needed_rows().items() if r in holders}
 
     def bytes(self, row_bytes: int | None = None) -> dict[int, dict[str, int]]:
         """Bytes each rank sends and receives, per direction (rows of ``row_bytes``)."""
@@ -237,7 +246,16 @@ class RowPlan:
 
     @property
     def max_lower_bound(self) -> int:
-        return max(self.lower_bound().values(), default=0) * self.row_bytes
+        return max(self.lower_bound.values(), default=0)
+
+    @property
+    def max_sent(self) -> int:
+        return max(self.bytes_sent.values(), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        """Forward bytes summed over every rank."""
+        return sum(self.bytes_sent.values())
 
     def __str__(self) -> str:
         pairs = [f"{src} -> {dst}: rows {list(self.sends[i][j])}"
@@ -245,11 +263,23 @@ class RowPlan:
                  if self.sends[i][j]]
         shown = "; ".join(pairs[:8]) + (f"; ... ({len(pairs)} pairs)" if len(pairs) > 8
                                         else "")
-        bound = max(self.lower_bound().values(), default=0)
-        recv = max(self.received().values(), default=0)
-        return (f"rows: {self.n_rows} rows over ranks {self.ranks}, 1 all_to_all each way\n"
-                f"  forward: {shown or '(nothing moves)'}\n"
-                f"  cost: max recv {recv} row(s)/rank (lower bound {bound})")
+        if self.src is None or self.dst is None:  # raw row maps
+            bound = max(self.needed_rows().values(), default=0)
+            recv = max(self.received().values(), default=0)
+            return (f"rows: {self.n_rows} rows over ranks {self.ranks}, 1 all_to_all each "
+                    f"way\n  forward: {shown or '(nothing moves)'}\n"
+                    f"  cost: max recv {recv} row(s)/rank (lower bound {bound})")
+        from .plan import format_bytes
+
+        src, dst = self.src, self.dst
+        return "\n".join([
+            f"plan {src.describe()} on {src.grid!r}",
+            f"  -> {dst.describe()} on {dst.grid!r}   ({self.n_rows} rows of "
+            f"{self.row_bytes} B)",
+            f"  1. all_to_all over {len(self.ranks)} ranks: {shown or 'nothing moves'}",
+            f"  cost: max recv {format_bytes(self.max_recv)}/rank (lower bound "
+            f"{format_bytes(self.max_lower_bound)}), max sent {format_bytes(self.max_sent)}"
+            f"/rank, total {format_bytes(self.total_bytes)}, 1 collective(s)"])
 
 
 def seed_bytes(n_rows: int, cp_ranks: Sequence[int], row_bytes: int,
@@ -525,5 +555,6 @@ def plan_layouts(src, dst, sizes: Mapping[str, object], itemsize: int = 4,
             raise MimoFxError(
                 f"grad_partial={grad_partial}: axis {axis!r} is not replicated in dst "
                 f"{dst.describe()!r} (replicated axes: {dst.replicated})")
-    return plan_rows(_row_map(src, full, rows), _row_map(dst, full, rows), n,
-                     counted=_counted(dst, tuple(grad_partial)), row_bytes=width * itemsize)
+    p = plan_rows(_row_map(src, full, rows), _row_map(dst, full, rows), n,
+                  counted=_counted(dst, tuple(grad_partial)), row_bytes=width * itemsize)
+    return replace(p, src=src, dst=dst)

@@ -74,7 +74,7 @@ def check_lower_bound(p):
         got = [g for s in range(len(p.ranks)) for g in p.sends[s][i]]
         assert len(got) == len(set(got)), f"rank {r} receives a row twice: {got}"
         assert set(got) == needed - held, f"rank {r} receives {got}, needs {needed - held}"
-        assert p.received()[r] == p.lower_bound()[r] == len(needed - held)
+        assert p.received()[r] == p.needed_rows()[r] == len(needed - held)
         for s in range(len(p.ranks)):
             assert set(p.sends[s][i]) <= set(p.src_rows[s]), "a sender lacks a row"
 
@@ -297,7 +297,12 @@ def test_packed_plans_print_and_cost_as_plans_do():
     n, row_bytes = len(positions), H * 8
     p = plan(enc, tokens.select(positions), {"t": (10, 10), "h": H}, torch.float64)
     assert p.max_recv == p.max_lower_bound == 10 * row_bytes
-    assert "all_to_all" in str(p) and "lower bound 10" in str(p)
+    assert "1. all_to_all over 4 ranks" in str(p) and "(lower bound 240 B)" in str(p)
+    from mimo_fx.explain import explain, transfer_matrix
+
+    text = explain(p)
+    assert "recv/bound" in text and "10 rows (10 distinct, 10 not held)" in text
+    assert sum(transfer_matrix(p).values()) == sum(p.bytes_sent.values()) == n * row_bytes
     moved = {d: sum(b[f"{d}_received"] for b in p.bytes().values())
              for d in ("forward", "backward")}
     seed = seed_bytes(n, (2, 3), row_bytes)
