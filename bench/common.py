@@ -48,7 +48,7 @@ class NullComm(Comm):
     """A comm that moves nothing: each collective returns a new buffer of its output's
     size, as a real one would (for timing everything but the communication)."""
 
-    def collective(self, kind, flat, ranks, out_splits=(), in_splits=()):
+    def collective(self, kind, flat, ranks, out_splits=(), in_splits=(), site=""):
         return OPS[kind].output(flat, ranks, out_splits, in_splits)
 
 

@@ -60,7 +60,6 @@ from .timeouts import cause, wait_time
 
 __all__ = ["Bridge"]
 
-_BUILT = [0]  # bridges built so far: the same count on every rank names their channels
 
 
 class Bridge(Redistributor):
@@ -71,26 +70,27 @@ class Bridge(Redistributor):
         self._in_flight: deque[dict] = deque()  # sizes of forwards awaiting their backward
         self._deferred: list = []  # (gather, check): rows checked when they arrive
         self._failed = False
-        _BUILT[0] += 1
         src, dst = tuple(self.src.grid.ranks), tuple(self.dst.grid.ranks)
         # one channel per direction, of this bridge alone (two bridges between the same
         # grids, as interleaved schedules have, never pair each other's messages)
-        self._tags = ((f"p2p{_BUILT[0]}:forward", f"p2p{_BUILT[0]}:backward")
+        self._tags = ((f"{self.name} p2p>", f"{self.name} p2p<")
                       if set(src) != set(dst) else ())
         self._channel_lease = Lease(self.lease.what + " (its channels)", (),
                                     [(tag, self.union) for tag in self._tags])
         self._channels: tuple[Channel, ...] = ()
         self._pipe: tuple[CompiledExecutor, ...] = ()
         if self.involved:
-            local = self.executor.comm
+            local = (self.executor.comms["forward"], self.executor.comms["backward"])
             if self._tags:
                 self._channels = tuple(
                     Channel(self._channel_lease.process_group(self.union, t), self.rank)
                     for t in self._tags)
-                comms: list[Comm] = [Routed(local, c, src, dst) for c in self._channels]
+                comms: list[Comm] = [Routed(loc, c, src, dst)
+                                     for loc, c in zip(local, self._channels)]
             else:  # one grid: a collective pairs calls its ranks all issue alike
-                comms = [local, local]
-            self._pipe = tuple(CompiledExecutor(c, self.executor.comm_dtype) for c in comms)
+                comms = list(local)
+            self._pipe = tuple(CompiledExecutor(c, self.executor.comm_dtype, name=self.name)
+                               for c in comms)
 
     # -- one direction ------------------------------------------------------------------
     def _gather_rows(self, direction: int, row: torch.Tensor, kind: int):
@@ -122,7 +122,7 @@ class Bridge(Redistributor):
     def _waited(self, wait: Callable, kind: int):
         try:
             return wait()
-        except RuntimeError as err:  # a timeout, or a peer gone
+        except (RuntimeError, MimoFxError) as err:  # a timeout, or a peer gone
             raise MimoFxError(
                 self._context() + f"rank {self.rank} waited in vain for the other ranks' "
                 f"{'size rows' if kind == SIZES else 'check headers'} "
@@ -150,7 +150,8 @@ class Bridge(Redistributor):
     def _run(self, direction: int, program, tensor: torch.Tensor) -> torch.Tensor:
         try:
             with torch.no_grad():
-                (out,) = self._pipe[direction].run(program, (tensor,))
+                (out,) = self._pipe[direction].run(program, (tensor,),
+                                                   direction=("forward", "backward")[direction])
         except RuntimeError as err:
             raise MimoFxError(
                 self._context() + f"rank {self.rank}: the {('forward', 'backward')[direction]} "

@@ -37,7 +37,7 @@ import torch
 
 from mimo_fx.plan import Collective
 
-from . import inductor_order
+from . import inductor_order, timeouts
 
 __all__ = ["Comm", "CommOp", "FunctionalComm", "OPS", "ordered", "register_ordered"]
 
@@ -54,10 +54,12 @@ class Comm(ABC):
 
     @abstractmethod
     def collective(self, kind: Collective, flat: torch.Tensor, ranks: Ranks,
-                   out_splits: Splits = (), in_splits: Splits = ()) -> torch.Tensor:
+                   out_splits: Splits = (), in_splits: Splits = (),
+                   site: str = "") -> torch.Tensor:
         """This member's output of ``kind`` over ``ranks`` (see :data:`OPS`); the splits
         are a member's parts of its output and its input where members exchange uneven
-        parts (an all-to-all), else empty."""
+        parts (an all-to-all), else empty. ``site`` names the call for errors (see
+        :mod:`.timeouts`)."""
 
     def all_gather(self, flat: torch.Tensor, ranks: Ranks) -> torch.Tensor:
         """Every member's ``flat`` (equal sizes), concatenated in member order."""
@@ -110,8 +112,8 @@ class CommOp:
     recorded: tuple[str, ...]
 
     def __call__(self, flat: torch.Tensor, ranks: Ranks, group: str, out_splits: Splits = (),
-                 in_splits: Splits = ()) -> torch.Tensor:
-        return self.op(*self.args(flat, ranks, group, out_splits, in_splits))
+                 in_splits: Splits = (), site: str = "") -> torch.Tensor:
+        return self.op(*self.args(flat, ranks, group, out_splits, in_splits), site)
 
     def output(self, flat: torch.Tensor, ranks: Ranks, out_splits: Splits = (),
                in_splits: Splits = ()) -> torch.Tensor:
@@ -121,13 +123,24 @@ class CommOp:
 
 def _comm_op(kind: Collective, params: str, run, fake, args, compute,
              recorded: tuple[str, ...]) -> CommOp:
-    """The entry of ``kind``: its op ``mimo_fx::<kind>(<params>) -> Tensor``, defined once
-    (``run`` on real tensors, every device; ``fake`` for tracing)."""
+    """The entry of ``kind``: its op ``mimo_fx::<kind>(<params>, str site) -> Tensor``,
+    defined once (``run`` on real tensors, every device, a failed wait -- a timeout, a
+    peer gone -- raised as the :class:`MimoFxError` :mod:`.timeouts` words for the call
+    ``site`` names; ``fake`` for tracing)."""
     name = kind.value
     if not _defined(name):
-        _LIB.define(f"{name}({params}) -> Tensor")
-        _LIB.impl(name, run, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"mimo_fx::{name}", fake, lib=_LIB)
+        def guarded(*args):
+            *rest, site = args
+            try:
+                out = run(*rest)
+            except RuntimeError as err:
+                raise timeouts.failed(site, kind, err) from None
+            timeouts.ran(site)
+            return out
+
+        _LIB.define(f"{name}({params}, str site) -> Tensor")
+        _LIB.impl(name, guarded, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"mimo_fx::{name}", lambda *a: fake(*a[:-1]), lib=_LIB)
     return CommOp(kind, getattr(torch.ops.mimo_fx, name).default, args, fake, compute, recorded)
 
 
@@ -225,5 +238,6 @@ class FunctionalComm(Comm):
         self.names = dict(names)
 
     def collective(self, kind: Collective, flat: torch.Tensor, ranks: Ranks,
-                   out_splits: Splits = (), in_splits: Splits = ()) -> torch.Tensor:
-        return OPS[kind](flat, ranks, self.names[ranks], out_splits, in_splits)
+                   out_splits: Splits = (), in_splits: Splits = (),
+                   site: str = "") -> torch.Tensor:
+        return OPS[kind](flat, ranks, self.names[ranks], out_splits, in_splits, site)

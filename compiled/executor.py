@@ -15,6 +15,7 @@ import torch
 
 from mimo_fx.symbolic import Expr
 
+from . import timeouts
 from .comm import Comm
 from .lowering import AddAt, Cat, Node, Op, Program, Take, View
 
@@ -93,11 +94,12 @@ def _pack(entries: list, op: Op, wire, num: Numbers, inputs: tuple = ()) -> torc
     return flat.to(wire) if wire is not None else flat
 
 
-def issue(comm: Comm, op: Op, flat: torch.Tensor, num: Numbers = PLAIN) -> torch.Tensor:
+def issue(comm: Comm, op: Op, flat: torch.Tensor, num: Numbers = PLAIN,
+          site: str = "") -> torch.Tensor:
     """Run ``op``'s collective on its packed input through ``comm`` (whose table,
     keyed by the op's kind, says how)."""
     return comm.collective(op.kind, flat, op.ranks, num.all(op.out_splits),
-                           num.all(op.in_splits))
+                           num.all(op.in_splits), site)
 
 
 def _unpacked(flat: torch.Tensor, op: Op, num: Numbers) -> list:
@@ -119,17 +121,24 @@ class CompiledExecutor:
 
     ``local`` is the rank's src piece, or an empty placeholder on ranks holding none;
     the result is the dst piece, or an empty tensor where it holds none. With
-    ``comm_dtype`` data moves in that dtype and comes back in the caller's.
+    ``comm_dtype`` data moves in that dtype and comes back in the caller's. A bridge's
+    executor has a comm per direction (``backward_comm``: its backward's own groups, so
+    a forward can never pair with a backward) and names its collectives (``name``, see
+    :mod:`.timeouts`).
     """
 
-    def __init__(self, comm: Comm, comm_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, comm: Comm, comm_dtype: torch.dtype | None = None,
+                 backward_comm: Comm | None = None, name: str = "") -> None:
         self.comm = comm
+        self.comms = {"forward": comm, "backward": backward_comm or comm}
         self.comm_dtype = comm_dtype
+        self.name = name
 
     def run(self, program: Program, tensors: tuple[torch.Tensor, ...], env: dict | None = None,
-            inputs: tuple[torch.Tensor, ...] = ()):
+            inputs: tuple[torch.Tensor, ...] = (), *, direction: str = "forward"
+            ) -> tuple[torch.Tensor, ...]:
         """``program`` on ``(local,)``; a template program's numbers at ``env``; a row
-        program's index vectors are ``inputs``."""
+        program's index vectors are ``inputs``; ``direction`` picks the comm."""
         (local,) = tensors
         num = PLAIN if env is None else Numbers(env)
         dtype = local.dtype
@@ -140,8 +149,10 @@ class CompiledExecutor:
             canon = canon.permute(program.src_perm)
         entries: list[torch.Tensor | None] = [canon]
         wire = self.comm_dtype
-        for op in program.ops:
-            flat = issue(self.comm, op, _pack(entries, op, wire, num, inputs), num)
+        comm = self.comms[direction]
+        for i, op in enumerate(program.ops):
+            where = timeouts.site(self.name, direction, i, op.ranks) if self.name else ""
+            flat = issue(comm, op, _pack(entries, op, wire, num, inputs), num, where)
             if wire is not None:
                 flat = flat.to(dtype)
             entries += _unpacked(flat, op, num)

@@ -94,13 +94,12 @@ def created() -> int:
     return _CREATED[0]
 
 
-def _timeout(tag: str) -> timedelta | None:
-    # check groups, and a pipelined bridge's channels (tags "p2p..."): a peer that never
-    # comes is an error after MIMO_FX_TIMEOUT, not a wait of gloo's default 30 min
+def _timeout(tag: str) -> timedelta:
+    # every group mimo_fx creates: a peer that never comes is an error after
+    # MIMO_FX_TIMEOUT, not a wait of gloo's (or NCCL's) default 30 min
     from .timeouts import timeout_seconds
 
-    return timedelta(seconds=timeout_seconds()) if tag == CHECK or tag.startswith("p2p") \
-        else None
+    return timedelta(seconds=timeout_seconds())
 
 
 def acquire(groups: Iterable[Ranks], tag: str = "") -> None:

@@ -419,7 +419,7 @@ class Guard:
 
         try:
             return self.comm.all_gather(mine, self.union).view(-1, HEADER_LEN)
-        except RuntimeError as err:  # gloo/NCCL timeout or a peer gone
+        except (RuntimeError, MimoFxError) as err:  # a timeout or a peer gone
             raise MimoFxError(
                 self.context + f"rank {self.rank} waited in vain for every rank's check "
                 f"header ({cause(err)}). A rank called this bridge with checked=False, "

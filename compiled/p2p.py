@@ -101,8 +101,8 @@ class Channel(Comm):
 
     # -- the comm seam ------------------------------------------------------------------
     def collective(self, kind: Collective, flat: torch.Tensor, ranks: Ranks,
-                   out_splits: Sequence[int] = (), in_splits: Sequence[int] = ()
-                   ) -> torch.Tensor:
+                   out_splits: Sequence[int] = (), in_splits: Sequence[int] = (),
+                   site: str = "") -> torch.Tensor:
         """The all-to-all and the all-gather are built from messages; a reduce-scatter
         is an all-to-all of the chunks, summed; any other kind gathers every member's
         input (equal sizes) and computes its output as :data:`~.comm.OPS` says."""
@@ -185,6 +185,6 @@ class Routed(Comm):
         return self.channel
 
     def collective(self, kind: Collective, flat: torch.Tensor, ranks: Ranks,
-                   out_splits: Sequence[int] = (), in_splits: Sequence[int] = ()
-                   ) -> torch.Tensor:
-        return self._comm(ranks).collective(kind, flat, ranks, out_splits, in_splits)
+                   out_splits: Sequence[int] = (), in_splits: Sequence[int] = (),
+                   site: str = "") -> torch.Tensor:
+        return self._comm(ranks).collective(kind, flat, ranks, out_splits, in_splits, site)

@@ -29,6 +29,7 @@ from mimo_fx.plan import format_bytes, plan
 from mimo_fx.rows import is_row_layout
 from mimo_fx.vjp import apply
 
+from . import timeouts
 from .executor import CompiledExecutor, Numbers
 from .groups import CHECK
 from .guard import HEADER_LEN, Guard, fingerprint
@@ -66,11 +67,16 @@ class Redistributor:
             rank's mistake raises :class:`MimoFxError` on every rank instead of hanging;
             a rank waits for the others ``MIMO_FX_TIMEOUT`` seconds (300). Unchecked calls
             still validate locally: the offending rank raises before any collective.
+        name: the bridge's identity, the same on every rank (default: its layouts and
+            its place among the bridges of the same layouts and options this rank built,
+            ``#0``, ``#1``, ...: ranks build bridges in one order). Two bridges of the
+            same layouts never share a process group (their calls cannot pair), and a
+            checked call of one never passes for the other's.
     """
 
     def __init__(self, src: Layout, dst: Layout, sizes: dict | None = None,
                  dtype=torch.float32, *, grad_partial=(), comm_dtype=None,
-                 checked: bool = False, device=None) -> None:
+                 checked: bool = False, device=None, name: str | None = None) -> None:
         self.rank = require_world("Redistributor")
         opts = Options(dtype, grad_partial if isinstance(grad_partial, str)  # (refused)
                        else tuple(grad_partial), comm_dtype, checked, device)  # type: ignore[arg-type]
@@ -84,16 +90,23 @@ class Redistributor:
         self.union = self.sizing.union
         self.involved = self.rank in self.union
         self.device = opts.resolved_device()
-        # every bridge has its check group over the union, whether checked or not (so
-        # ranks that disagree on checked= still create the same groups)
+        self.name = _identity(src, dst, opts, name)
+        # each direction on groups of its own, tagged by the bridge's identity; and a
+        # check group over the union, shared, whether checked or not (so ranks that
+        # disagree on checked= still create the same groups)
+        fwd, bwd = f"{self.name} >", f"{self.name} <"
+        tagged = [(fwd, g) for g in self.sizing.groups["forward"]]
+        tagged += [(bwd, g) for g in self.sizing.groups["backward"]]
         checks = [(CHECK, self.union)] if len(self.union) > 1 else []
         self.lease = Lease(f"this bridge {src.describe()!r} -> {dst.describe()!r}",
-                           self.sizing.groups, checks)
-        self.executor = CompiledExecutor(self.lease.comm(), comm_dtype)
+                           (), tagged + checks)
+        timeouts.register(self.name, self._context().rstrip(": "))
+        self.executor = CompiledExecutor(self.lease.comm(fwd), comm_dtype,
+                                         self.lease.comm(bwd), self.name)
         needs_check_comm = (checked or self.free) and checks and self.involved
         self._check_comm = self.lease.comm(CHECK) if needs_check_comm else None
         key = (src, dst, sorted(self.fixed.items()), str(opts.dtype), opts.grad_partial,
-               str(comm_dtype))
+               str(comm_dtype), self.name)
         self.guard = Guard(src, dst, self.rank, self.union, opts.dtype, self.device, checked,
                            self._check_comm, key, self._context(),
                            getattr(self.sizing, "shape", None))
@@ -241,7 +254,7 @@ class Redistributor:
         row = self.sizing.size_row(x, self.device)
         try:
             rows = self._check_comm.all_gather(row, self.union).view(len(self.union), -1)
-        except RuntimeError as err:  # gloo/NCCL timeout or a peer gone
+        except (RuntimeError, MimoFxError) as err:  # a timeout or a peer gone
             raise MimoFxError(
                 self._context() + f"rank {self.rank} waited in vain for every rank's size "
                 f"row ({cause(err)}). Every rank of both grids calls the bridge, giving the "
@@ -269,6 +282,22 @@ class Redistributor:
 
 # (kept for the header's length in callers that decode check rows)
 __all__ += ["HEADER_LEN"]
+
+
+_BUILT: dict[tuple, int] = {}  # bridges built per (layouts, options) key, on this rank
+
+
+def _identity(src, dst, opts: Options, name: str | None) -> str:
+    """A bridge's identity: ``name``, else its layouts and build order (see
+    :class:`Redistributor`)."""
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise MimoFxError(f"name={name!r} must be a non-empty string naming the bridge "
+                              f"(the same on every rank)")
+        return name
+    key = (key_of(src), key_of(dst), opts)
+    k = _BUILT[key] = _BUILT.get(key, -1) + 1
+    return f"{src.describe()} -> {dst.describe()} #{k}"
 
 
 def _not_a_layout(where: str, name: str, value) -> str:

@@ -69,7 +69,8 @@ class RowSizing:
             and is_row_layout(dst) else ()
         self.free = tuple(d for d in src.dims if d not in self.fixed and d not in implied)
         self.union = tuple(sorted(set(src.grid.ranks) | set(dst.grid.ranks)))
-        self.groups: tuple[tuple[int, ...], ...] = (self.union,) if len(self.union) > 1 else ()
+        union = (self.union,) if len(self.union) > 1 else ()
+        self.groups = {"forward": union, "backward": union}
         self.template = None
         self.granules: dict[str, int] = {}
         self.variables = lowering.row_variables(len(self.union), self.features)

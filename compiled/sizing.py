@@ -11,8 +11,8 @@ and under ``torch.compile`` one graph serves them all. Other sizes (uneven cuts,
 that an even cut splits) are planned one by one and cached (at most
 :data:`CACHED_SIZES`); under ``torch.compile`` each such size is its own graph.
 
-Pure but for its cache: no collective, no process group (the groups it *needs* are
-listed in :attr:`Sizing.groups` for the lease to create).
+Pure but for its cache: no collective, no process group (the groups it *needs*, per
+direction, are listed in :attr:`Sizing.groups` for the lease to create).
 """
 
 from __future__ import annotations
@@ -59,17 +59,22 @@ class Sizing:
         self.template: Template | None = None
         sizes = self._plan_shapes(grad_partial)
         # every rank lists the same groups in the same order, from the decisions the
-        # plans share (no rank plans another's transfers)
-        groups = list(dict.fromkeys(plan_groups(src, dst, sizes)
-                                    + plan_groups(*self.adjoint, sizes)))
-        if self.free and len(self.union) > 1 and self.union not in groups:
-            groups.append(self.union)  # for sizes whose gathers find no group
-        self.groups: tuple[tuple[int, ...], ...] = tuple(groups)
+        # plans share (no rank plans another's transfers): per direction, each issued
+        # on groups of its own (a forward never pairs with a backward)
+        self.groups = {"forward": self._groups((src, dst), sizes),
+                       "backward": self._groups(self.adjoint, sizes)}
         self._lower_programs()
         self._cache: OrderedDict[tuple, tuple] = OrderedDict()
         _SIZINGS[id(self)] = self
 
     # -- building ------------------------------------------------------------------------
+    def _groups(self, layouts: tuple[Layout, Layout], sizes: dict
+                ) -> tuple[tuple[int, ...], ...]:
+        groups = list(plan_groups(layouts[0], layouts[1], sizes))
+        if self.free and len(self.union) > 1 and self.union not in groups:
+            groups.append(self.union)  # for sizes whose gathers find no group
+        return tuple(groups)
+
     def _plan_shapes(self, grad_partial: tuple[str, ...]) -> dict:
         """This rank's parts of the plans the bridge is built on: at its sizes when all
         are fixed, else at the template sizes its layouts choose (then also the
@@ -258,7 +263,7 @@ class Sizing:
         """This rank's part of the plan at ``sizes``; where it would gather over groups
         the bridge did not create, the exchange is one all-to-all over the union (created
         for this): process groups never depend on sizes, and every rank decides alike."""
-        made = set(self.groups)
+        made = set(self.groups["forward" if layouts == (self.src, self.dst) else "backward"])
         missing = not set(plan_groups(*layouts, sizes)) <= made
         return plan_for_rank(*layouts, sizes, self.dtype, rank=self.rank, all_to_all=missing)
 

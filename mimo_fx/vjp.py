@@ -10,7 +10,7 @@ This module imports no backend: the backends import it.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -20,14 +20,12 @@ __all__ = ["Executor", "apply"]
 class Executor(Protocol):
     """Runs a plan, or its lowered form, on local tensors (one per src holder it serves);
     a template program's numbers at ``env`` (``{variable: value}``, see
-    :mod:`mimo_fx.sizes`)."""
+    :mod:`mimo_fx.sizes`); ``direction`` is ``"forward"`` or ``"backward"``. An executor
+    given ``aux`` tensors by :func:`apply` is called as ``run(plan, tensors, env, aux,
+    direction=...)`` in both directions."""
 
-    def run(self, plan, tensors: tuple[torch.Tensor, ...],
-            env: dict | None = None) -> tuple[torch.Tensor, ...]:
+    def run(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
         ...
-
-    # an executor given ``aux`` tensors by :func:`apply` is called as
-    # ``run(plan, tensors, env, aux)`` in both directions
 
 
 class _Redistribute(torch.autograd.Function):
@@ -41,9 +39,10 @@ class _Redistribute(torch.autograd.Function):
         executor, fwd, _, variables, values, n_aux = job
         env = _env(variables, values)
         if not n_aux:
-            return tuple(executor.run(fwd, tensors, env))
+            return tuple(executor.run(fwd, tensors, env, direction="forward"))
         cut = len(tensors) - n_aux
-        return tuple(executor.run(fwd, tensors[:cut], env, tensors[cut:]))
+        return tuple(executor.run(fwd, tensors[:cut], env, tensors[cut:],
+                                  direction="forward"))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -59,9 +58,10 @@ class _Redistribute(torch.autograd.Function):
         grads = tuple(g.contiguous() for g in grads)
         with torch.no_grad():
             if not n_aux:
-                out = executor.run(bwd, grads, _env(variables, values))
+                out = executor.run(bwd, grads, _env(variables, values), direction="backward")
             else:
-                out = executor.run(bwd, grads, _env(variables, values), ctx.saved_tensors)
+                out = executor.run(bwd, grads, _env(variables, values), ctx.saved_tensors,
+                                   direction="backward")
         # a rank holding no piece gets an empty gradient: of its input's shape (whatever
         # empty tensor it passed)
         out = tuple(_like_input(g, s) for g, s in zip(out, ctx.shapes))

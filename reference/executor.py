@@ -35,7 +35,8 @@ class ReferenceExecutor:
     """Executes plans on a tuple of pieces, one per src holder, in rank order."""
 
     def run(self, plan: Plan, tensors: tuple[torch.Tensor, ...],
-            env: dict | None = None) -> tuple[torch.Tensor, ...]:
+            env: dict | None = None, *, direction: str = "forward"
+            ) -> tuple[torch.Tensor, ...]:
         src_tiling = Tiling.of(plan.src, plan.dims, dict(plan.sizes))
         stores: dict[int, Store] = {}
         for rank, local in zip(plan.src.holders, tensors):

@@ -64,7 +64,7 @@ class _AllRanks:
     """A vjp executor: every rank's piece, in the plan's rank order; the all-to-all
     between them in this process."""
 
-    def run(self, program, tensors, env=None):
+    def run(self, program, tensors, env=None, *, direction: str = "forward"):
         plan, direction = program
         send, counts, take = _STEPS[direction]
         routes = [plan.route(r) for r in plan.ranks]

@@ -53,7 +53,7 @@ class ThreadComm(Comm):
         post = (kind, flat.clone(), tuple(out_splits), tuple(in_splits))
         return self.world.collective(self.rank, ranks, post)
 
-    def collective(self, kind, flat, ranks, out_splits=(), in_splits=()):
+    def collective(self, kind, flat, ranks, out_splits=(), in_splits=(), site=""):
         return self._post(kind, ranks, flat, out_splits, in_splits)
 
 
