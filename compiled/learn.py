@@ -11,8 +11,8 @@ same rows (uneven splits exactly, a ragged dim's counts one per shard) and raise
 same error if a row is wrong. Under ``torch.compile`` the rows become unbacked SymInts
 (``.tolist()``, with ``capture_scalar_outputs``) and the checks run-time asserts.
 
->>> Row.width(3)
-7
+>>> Row.width(3) == HEADER_LEN
+True
 """
 
 from __future__ import annotations
@@ -26,7 +26,15 @@ from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
 from mimo_fx.local import infer_sizes
 
-from .guard import MAGIC, calls_differ, dtype_code, int_tensor
+from .guard import (
+    HEADER_LEN,
+    MAGIC,
+    MAGIC_SIZES,
+    MAX_DIMS,
+    calls_differ,
+    dtype_code,
+    int_tensor,
+)
 
 __all__ = ["Row", "learn_sizes", "int_tensor"]
 
@@ -38,14 +46,19 @@ class Row:
 
     @staticmethod
     def width(ndim: int) -> int:
-        return HEADER + ndim
+        """A row's length: a check header's (so a size exchange that meets a check can
+        never be an exchange of unequal sizes, which gloo aborts on)."""
+        assert ndim <= MAX_DIMS, ndim
+        return HEADER_LEN
 
     @staticmethod
     def encode(x: torch.Tensor | None, ndim: int, print_: int) -> list[Any]:
         if not isinstance(x, torch.Tensor):
-            return [MAGIC, print_, 0, 0] + [0] * ndim
-        shape = list(x.shape)[:ndim] + [0] * max(0, ndim - x.dim())
-        return [MAGIC, print_, 1 + x.dim(), dtype_code(x.dtype), *shape]
+            row = [MAGIC_SIZES, print_, 0, 0] + [0] * ndim
+        else:
+            shape = list(x.shape)[:ndim] + [0] * max(0, ndim - x.dim())
+            row = [MAGIC_SIZES, print_, 1 + x.dim(), dtype_code(x.dtype), *shape]
+        return row + [0] * (HEADER_LEN - len(row))
 
 
 def _eager_check(ok, message) -> None:
@@ -107,12 +120,16 @@ def _wrong_shapes(src: Layout, shapes: dict, sizes: dict) -> list[str]:
 
 def _row_problems(rows, ranks, src: Layout, print_: int, ndim: int,
                   dtype: torch.dtype) -> list[str]:
-    split = calls_differ(rows, ranks, "layouts, dtype or options")
+    split = calls_differ(rows, ranks, "layouts, dtype or options", MAGIC_SIZES)
     out = [split] if split else []
     for rank, row in zip(ranks, rows):
         magic, _, dims, code = row[:HEADER]
         shape = tuple(row[HEADER:HEADER + ndim])
-        if magic != MAGIC:
+        if magic == MAGIC:
+            out.append(f"rank {rank} sent a check header instead of a size row: it gave "
+                       f"every size (then no exchange runs) and checks its call; every rank "
+                       f"must give the same set of sizes")
+        elif magic != MAGIC_SIZES:
             out.append(f"rank {rank} sent no size row: it gave every size (then no "
                        f"exchange runs), called another collective, or left; every rank "
                        f"must give the same set of sizes")

@@ -80,9 +80,9 @@ class Redistributor:
         self.rank = require_world("Redistributor")
         opts = Options(dtype, grad_partial if isinstance(grad_partial, str)  # (refused)
                        else tuple(grad_partial), comm_dtype, checked, device)  # type: ignore[arg-type]
-        for name, lay in (("src", src), ("dst", dst)):
+        for side, lay in (("src", src), ("dst", dst)):
             if not isinstance(lay, Layout) and not is_row_layout(lay):
-                raise MimoFxError(_not_a_layout("Redistributor", name, lay))
+                raise MimoFxError(_not_a_layout("Redistributor", side, lay))
         self.src, self.dst, self.options = src, dst, opts
         self.rows = is_row_layout(src) or is_row_layout(dst)
         self.sizing: Any = (RowSizing if self.rows else Sizing)(
@@ -90,7 +90,7 @@ class Redistributor:
         self.union = self.sizing.union
         self.involved = self.rank in self.union
         self.device = opts.resolved_device()
-        self.name = _identity(src, dst, opts, name)
+        self.name, self._slot = _identity(src, dst, opts, name)
         # each direction on groups of its own, tagged by the bridge's identity; and a
         # check group over the union, shared, whether checked or not (so ranks that
         # disagree on checked= still create the same groups)
@@ -111,6 +111,8 @@ class Redistributor:
                            self._check_comm, key, self._context(),
                            getattr(self.sizing, "shape", None))
         self.sizing.print_ = self.guard.prints["src"]
+        if checked and self._check_comm is not None:
+            self.executor.check = self._check_backward
         self._no_src = placeholder(len(src.local_dims), opts.dtype, self.device, grad=True)
         self._warned_func = False
         self._label = f"mimo_fx.redistribute {src.describe()} -> {dst.describe()}"
@@ -207,15 +209,18 @@ class Redistributor:
         except MimoFxError as err:  # checked: every rank raises with it, none waits
             self.guard.failed(err)
             raise
-        index = tuple(inputs[0]) if inputs else ()
+        index, digest = (tuple(inputs[0]), inputs[1]) if inputs else ((), 0)
         shape = fwd.src_shape
         if env is not None and shape is not None:
             shape = Numbers(dict(zip(self.sizing.variables, env))).all(shape)
-        print_ = None  # what checked mode compares: with the sizes if free, and the batch
-        if (self.free or self.rows) and self.checked and not torch.compiler.is_compiling():
-            batch = self.sizing.batch(full, **layouts) if self.rows else ()
-            print_ = fingerprint("src", *self.guard.key, _size_key(full), batch)
-        self.guard(x, "src", shape, full, print_)
+        print_ = None  # what checked mode compares: with the sizes if free
+        if self.free and self.checked and not torch.compiler.is_compiling():
+            print_ = fingerprint("src", *self.guard.key, _size_key(full))
+        grad = torch.is_grad_enabled() and (x.requires_grad if isinstance(x, torch.Tensor)
+                                            else self._no_src.requires_grad)
+        if not self.guard(x, "src", shape, full, print_, grad, digest):
+            # (compiled, checked: the check raises on every rank when the graph runs)
+            return self._no_src.new_zeros((0,) * len(self.dst.local_dims))
         if x is None:
             x = self._no_src
             self._warn_none_in_func(bwd)
@@ -234,6 +239,11 @@ class Redistributor:
             x = x.view(x.shape)
         (y,) = apply(self.executor, fwd, bwd, (x,), env, self.sizing.variables, index)
         return y
+
+    def _check_backward(self, g, program, num) -> bool:
+        """Checked mode's check of a backward call (its cotangent, every rank's)."""
+        shape = None if program.src_shape is None else num.all(program.src_shape)
+        return self.guard(g, "dst", shape, None, None, True)
 
     def _sizes(self, x, sizes, dim_sizes) -> tuple[dict, frozenset]:
         """Every dim's size for this call, and the dims learned by the exchange."""
@@ -278,26 +288,32 @@ class Redistributor:
         if self.lease.live:
             self.lease.release()
             self.sizing.forget()
+            if self._slot is not None:
+                _LIVE[self._slot[0]].discard(self._slot[1])
 
 
 # (kept for the header's length in callers that decode check rows)
 __all__ += ["HEADER_LEN"]
 
 
-_BUILT: dict[tuple, int] = {}  # bridges built per (layouts, options) key, on this rank
+_LIVE: dict[tuple, set[int]] = {}  # per (layouts, options) key: the slots live bridges hold
 
 
-def _identity(src, dst, opts: Options, name: str | None) -> str:
-    """A bridge's identity: ``name``, else its layouts and build order (see
-    :class:`Redistributor`)."""
+def _identity(src, dst, opts: Options, name: str | None) -> tuple[str, tuple | None]:
+    """A bridge's identity: ``name``, else its layouts and its slot among the live
+    bridges of the same layouts and options (the lowest free one: ranks that build and
+    destroy bridges in one order give every bridge the same slot), and the slot's key
+    (None for a name)."""
     if name is not None:
         if not isinstance(name, str) or not name:
             raise MimoFxError(f"name={name!r} must be a non-empty string naming the bridge "
                               f"(the same on every rank)")
-        return name
+        return name, None
     key = (key_of(src), key_of(dst), opts)
-    k = _BUILT[key] = _BUILT.get(key, -1) + 1
-    return f"{src.describe()} -> {dst.describe()} #{k}"
+    taken = _LIVE.setdefault(key, set())
+    k = next(i for i in range(len(taken) + 1) if i not in taken)
+    taken.add(k)
+    return f"{src.describe()} -> {dst.describe()} #{k}", (key, k)
 
 
 def _not_a_layout(where: str, name: str, value) -> str:

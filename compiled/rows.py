@@ -133,19 +133,20 @@ class RowSizing:
                                       _data(src, full, self.rows, device),
                                       _data(dst, full, self.rows, device))
             values = counts.tolist()
+            digest = values.pop()
             for v in values:
                 torch._check(v >= 0)
         else:
             route, index = self.route(src, dst, full, device)
-            values = list(route.counts)
+            values, digest = list(route.counts), self._digest(src, dst, full)
         values += [full[d] for d in self.features]
-        return self.fwd_program, self.bwd_program, tuple(values), index
+        return self.fwd_program, self.bwd_program, tuple(values), index, digest
 
-    def batch(self, full: dict, src=None, dst=None) -> tuple:
-        """What identifies a call's batch (for checked mode's fingerprint)."""
-        src = self.src if src is None else src
-        dst = self.dst if dst is None else dst
-        return _key(src, full, self.rows), _key(dst, full, self.rows)
+    def _digest(self, src, dst, full: dict) -> int:
+        """A batch's digest (checked mode compares it across ranks)."""
+        from .guard import fingerprint
+
+        return fingerprint(_key(src, full, self.rows), _key(dst, full, self.rows))
 
     def plan(self, src, dst, full: dict):
         """The row plan of a batch (every rank's part: checked mode names any rank's)."""
@@ -260,8 +261,9 @@ def _route_impl(src_data: torch.Tensor, dst_data: torch.Tensor, bridge: str):
     full = _shape_of(spec)
     src, s_sizes = _from_data(sizing.src, src_data.tolist(), sizing.rows, full)
     dst, d_sizes = _from_data(sizing.dst, dst_data.tolist(), sizing.rows, full)
-    route, index = sizing.route(src, dst, {**s_sizes, **d_sizes}, src_data.device)
-    counts = torch.tensor(route.counts, dtype=torch.int64)
+    full = {**s_sizes, **d_sizes}
+    route, index = sizing.route(src, dst, full, src_data.device)
+    counts = torch.tensor((*route.counts, sizing._digest(src, dst, full)), dtype=torch.int64)
     return (*(t.clone() for t in index), counts)
 
 
@@ -269,7 +271,7 @@ def _route_fake(src_data, dst_data, bridge: str):
     ctx = torch.library.get_ctx()
     index = [src_data.new_empty((ctx.new_dynamic_size(),)) for _ in ROUTE_INDEX]
     n = len(_ROWS[bridge.partition("|")[0]].union)
-    return (*index, src_data.new_empty((4 * n + 3,)))
+    return (*index, src_data.new_empty((4 * n + 4,)))  # the counts, then the digest
 
 
 try:

@@ -602,7 +602,7 @@ def test_mistakes_raise_before_any_collective_or_on_every_rank(gloo_world):
         assert m["not_src"] and "rank 3 holds no piece of src" in m["not_src"], m["not_src"]
         assert m["checked_width"] and "rank 1: local tensor has shape" in m["checked_width"]
         assert m["checked_dtype"] and "rank 0: tensor dtype torch.float32" in m["checked_dtype"]
-        assert m["checked_plan"] and "the ranks made different calls" in m["checked_plan"] \
+        assert m["checked_plan"] and "the ranks passed different batches" in m["checked_plan"] \
             and "rank 3" in m["checked_plan"], m["checked_plan"]
     images, counts, x = gloo_case(1)
     for r in (2, 3):
