@@ -38,7 +38,6 @@ def train(rank: int, world: int, steps: int = 3, backend: str = "aot_eager"):  #
     enc, llm = Grid(dp=2), Grid(cp=2, offset=2)          # encoder ranks 0-1, LLM ranks 2-3
     bridge = Redistributor(Layout(enc, "(dp b) s h"), Layout(llm, "b (cp s) h", zigzag="cp"),
                            {"b": B, "s": S, "h": H})     # every process group made here
-
     @torch.compile(backend=backend, fullgraph=True)
     def step(x):                                         # x: this rank's images, or None
         y = bridge(None if x is None else torch.tanh(x @ w))  # this rank's LLM input

@@ -25,10 +25,10 @@ def move(rank: int, world: int):  # world = 8
     x = distribute_tensor(full, enc, [Shard(0), Replicate()])   # a placeholder off enc
     y = mimo_fx.redistribute_dtensor(x, llm, [Shard(1)])
     # ranks 4-7: a DTensor on llm; ranks 0-3: an empty tensor tied to x by autograd
+    loss = y.to_local().square().sum() if isinstance(y, DTensor) else y.sum()
+    loss.backward()                                             # on every rank
     if isinstance(y, DTensor):
-        y.to_local().square().sum().backward()
         return y.to_local().detach(), None
-    y.sum().backward()                                          # every rank backpropagates
     return None, x.grad.to_local()
 
 
