@@ -3,8 +3,8 @@ processes: an encoder on DP2 (ranks 0-1), an LLM on CP2 (ranks 2-3).
 
     python docs/examples/packed_images.py
 
-The code between the ``# --`` markers is the README's example, verbatim (a test checks
-that, and checks what ``step`` returns against full-tensor math).
+The README and docs/packed.md show lines between the ``# --`` markers verbatim;
+tests/test_rows.py runs ``step`` and checks what it returns against full-tensor math.
 """
 
 from __future__ import annotations
@@ -30,23 +30,22 @@ def batch(step: int):
 # -- packed images
 def step(rank: int, world: int, steps: int = 3, backend: str = "inductor"):  # world = 4
     enc, llm = Grid(dp=2), Grid(cp=2, offset=2)          # encoder ranks 0-1, LLM ranks 2-3
-    src = Layout(enc, "(dp t) h", ragged="dp")           # a block of image rows per encoder rank
     w = torch.nn.Parameter(torch.eye(4))                 # the "encoder"
-
+    out = []
+    src = Layout(enc, "(dp t) h", ragged="dp")           # a block of image rows per encoder rank
     @torch.compile(backend=backend, fullgraph=True)      # one graph for every batch
     def llm_input(features, images, where, text_local):
         rows = redistribute(features @ w, src, images)   # this rank's image rows, in order
         return text_local.index_copy(0, where, rows)     # ... at their token positions
 
-    out = []
     for k in range(steps):
         lengths, is_image, features, text = batch(k)
         tokens = PackedLayout(llm, "t h", [lengths])     # zigzag over cp, sequence by sequence
         images = tokens.select(torch.nonzero(is_image).flatten())  # row j: image token j
+        where = images.positions(rank) if rank in llm else torch.zeros(0, dtype=torch.int64)
         if k == 0:
             prepare(src, images)                         # process groups, eagerly, every rank
         mine = features.tensor_split(2)[rank] if rank in enc else torch.zeros(0, 4)
-        where = images.positions(rank) if rank in llm else torch.zeros(0, dtype=torch.int64)
         text_local = shard(text, tokens)[rank] if rank in llm else torch.zeros(0, 4)
         for t in (mine, where, text_local):              # any length, 0 or 1 too
             torch._dynamo.decorators.mark_unbacked(t, 0)
