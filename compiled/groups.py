@@ -28,9 +28,10 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from mimo_fx.errors import MimoFxError
+from mimo_fx.grid import mesh_groups
 
 __all__ = ["acquire", "release", "group_name", "process_group", "live_groups", "world_token",
-           "check_world", "CHECK", "created"]
+           "check_world", "CHECK", "created", "reused"]
 
 CHECK = "check"  # the tag of check groups
 
@@ -38,6 +39,7 @@ Ranks = tuple[int, ...]
 _GROUPS: dict[tuple[str, Ranks], list] = {}  # (tag, ranks) -> [ProcessGroup, references]
 _WORLD: list = [None]                          # the default group the registry serves
 _CREATED = [0]                                 # process groups created so far
+_REUSED = [0]                                  # mesh dims' groups taken instead
 
 
 def world_token():
@@ -94,6 +96,11 @@ def created() -> int:
     return _CREATED[0]
 
 
+def reused() -> int:
+    """How many times the registry took a mesh dim's own group instead of creating one."""
+    return _REUSED[0]
+
+
 def _timeout(tag: str) -> timedelta:
     # every group mimo_fx creates: a peer that never comes is an error after
     # MIMO_FX_TIMEOUT, not a wait of gloo's (or NCCL's) default 30 min
@@ -114,13 +121,17 @@ def acquire(groups: Iterable[Ranks], tag: str = "") -> None:
         if entry is not None:
             entry[1] += 1
             continue
-        if len(ranks) == world and not tag:
+        mesh = mesh_groups(ranks) if tag != CHECK and "p2p" not in tag else None
+        if mesh is not None:  # a mesh dim's own group: used, never created nor destroyed
+            pg = mesh[0].get_group(mesh[1]) if dist.get_rank() in ranks else None
+            _REUSED[0] += 1
+        elif len(ranks) == world and not tag:
             pg = dist.group.WORLD
         else:
             pg = dist.new_group(list(ranks), timeout=_timeout(tag))
             _CREATED[0] += 1
             _retired_done[0] = True  # the retired groups' peers are through connecting
-        _GROUPS[tag, ranks] = [pg, 1]
+        _GROUPS[tag, ranks] = [pg, 1, mesh is not None]
 
 
 def release(groups: Iterable[Ranks], tag: str = "", abandon: bool = False) -> None:
@@ -133,7 +144,9 @@ def release(groups: Iterable[Ranks], tag: str = "", abandon: bool = False) -> No
             continue
         entry[1] -= 1
         if entry[1] == 0:
-            pg = _GROUPS.pop((tag, ranks))[0]
+            pg, _, reused = _GROUPS.pop((tag, ranks))
+            if reused:
+                continue  # the mesh's: it lives as long as the mesh
             if abandon:
                 keep_alive(pg)  # never destroyed: a peer may still take its messages
             elif pg is not dist.group.WORLD and _WORLD[0] is world_token() is not None:

@@ -38,11 +38,12 @@ class Lease:
         self.rank = require_world(what)
         self.data = tuple(dict.fromkeys(data))
         self.tagged = tuple(dict.fromkeys(tagged))
-        before = groups.created()
+        before = groups.created(), groups.reused()
         groups.acquire(self.data)
         for tag, ranks in self.tagged:
             groups.acquire([ranks], tag)
-        self.created = groups.created() - before  # process groups this lease made
+        self.created = groups.created() - before[0]  # process groups this lease made
+        self.reused = groups.reused() - before[1]    # mesh dims' groups it took instead
         self.world = groups.world_token()
         self.live = True
         _purge()

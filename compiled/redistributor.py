@@ -39,7 +39,7 @@ from .rows import RowSizing, key_of
 from .sizing import CACHED_SIZES, CALL_OPTIONS, Sizing, _size_key
 from .timeouts import cause, wait_time
 
-__all__ = ["Redistributor", "CALL_OPTIONS", "CACHED_SIZES", "placeholder"]
+__all__ = ["Redistributor", "CALL_OPTIONS", "CACHED_SIZES", "placeholder", "backward"]
 
 LOG = logging.getLogger("mimo_fx")
 
@@ -156,8 +156,14 @@ class Redistributor:
 
     @property
     def groups_created(self) -> int:
-        """Process groups this bridge created (the others it shares with earlier ones)."""
+        """Process groups this bridge created (each costs device memory on NCCL)."""
         return self.lease.created
+
+    @property
+    def groups_reused(self) -> int:
+        """Groups it took from the meshes its grids were made from, instead of creating
+        them (they keep the mesh's timeout, and are shared with the mesh's users)."""
+        return self.lease.reused
 
     def _context(self) -> str:
         mode = "checked " if self.options.checked else ""
@@ -238,6 +244,9 @@ class Redistributor:
             # input an op's output, whose requirement Dynamo does see.
             x = x.view(x.shape)
         (y,) = apply(self.executor, fwd, bwd, (x,), env, self.sizing.variables, index)
+        if not self.dst.holds(self.rank) and y.requires_grad and not _in_grad_transform():
+            # a source-only rank: its backward runs in mimo_fx.backward()
+            SOURCE_ONLY.append((y, self.name))
         return y
 
     def _check_backward(self, g, program, num) -> bool:
@@ -296,6 +305,39 @@ class Redistributor:
 __all__ += ["HEADER_LEN"]
 
 
+# the results of calls on ranks that hold no dst piece, with their bridge's name
+SOURCE_ONLY: list[tuple[torch.Tensor, str]] = []
+
+
+def backward(loss: torch.Tensor | None = None) -> None:
+    """This rank's backward of a step: ``loss.backward()`` where it has a loss, together
+    with the backward of every bridge call whose result this rank does not hold (on a
+    source-only rank, an encoder on ranks of its own, the only way its part of those
+    backwards runs). Every rank calls it once per step; a rank without a loss passes
+    nothing. Eager or after a compiled step, the same call. (A source-only result whose
+    backward already ran, by hand, is not run again.)"""
+    pending = _awaiting_backward()
+    tensors = ([loss] if loss is not None else []) + pending
+    grads = ([torch.ones_like(loss)] if loss is not None else []) + [
+        torch.zeros_like(t) for t in pending]
+    if tensors:
+        torch.autograd.backward(tensors, grads)
+
+
+def _awaiting_backward() -> list[torch.Tensor]:
+    """The source-only results whose backward has not run (a bridge's last
+    ``forwards - backwards`` calls on this rank), taken off the list."""
+    by_bridge: dict[str, list[torch.Tensor]] = {}
+    for y, name in SOURCE_ONLY:
+        by_bridge.setdefault(name, []).append(y)
+    SOURCE_ONLY.clear()
+    out = []
+    for name, ys in by_bridge.items():
+        behind = timeouts.calls(name, "forward") - timeouts.calls(name, "backward")
+        out += ys[max(len(ys) - behind, 0):]
+    return out
+
+
 _LIVE: dict[tuple, set[int]] = {}  # per (layouts, options) key: the slots live bridges hold
 
 
@@ -331,8 +373,8 @@ def _log_plans(bridge: Redistributor) -> None:
     if not LOG.isEnabledFor(logging.DEBUG):
         return
     rank = bridge.rank
-    LOG.debug("rank %d: %s: %d process group(s) created", rank, bridge._label,
-              bridge.groups_created)
+    LOG.debug("rank %d: %s: %d process group(s) created, %d taken from device meshes",
+              rank, bridge._label, bridge.groups_created, bridge.groups_reused)
     if bridge.rows:
         LOG.debug("rank %d: %s: a row bridge, one all_to_all over %d ranks each way; "
                   "routes planned per batch", rank, bridge._label, len(bridge.union))

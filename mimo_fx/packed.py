@@ -64,7 +64,7 @@ import torch
 
 from .constants import constant
 from .errors import MimoFxError
-from .grid import Grid
+from .grid import Grid, is_mesh
 
 __all__ = ["ImageRows", "PackedLayout", "PackedStructure", "Packing", "image_rows",
            "pack_shard", "pack_unshard"]
@@ -409,6 +409,8 @@ class PackedLayout:
         self._build(grid, pattern, lengths, zigzag, cp, dp, None)
 
     def _build(self, grid, pattern, lengths, zigzag, cp, dp, tokens) -> None:
+        if is_mesh(grid):  # a DeviceMesh: its grid (see Grid.from_mesh)
+            grid = Grid.from_mesh(grid)
         if not isinstance(grid, Grid):
             raise MimoFxError(f"PackedLayout needs a Grid, got {grid!r}")
         groups = grid.axis_size(dp) if dp in grid.names else 1

@@ -53,6 +53,7 @@ from .errors import MimoFxError
 from .exchange import Geometry, ReduceCosts, Transfer, want_holders
 from .layout import Layout
 from .regions import Box, Size, Tiling, _digit_column, box_volume, intersect, total
+from .text import format_bytes
 
 __all__ = [
     "Collective", "Transfer", "Step", "STEPS", "kind_of", "ReduceScatter", "AllReduce", "Reduce",
@@ -507,15 +508,6 @@ class RankPlan:
 
     def __post_init__(self) -> None:
         _check_steps(self.steps)
-
-
-def format_bytes(n: float, digits: int = 1) -> str:
-    """``n`` bytes in B, KiB, MiB or GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 # -- entry points --------------------------------------------------------------------------

@@ -269,7 +269,7 @@ class RowPlan:
             return (f"rows: {self.n_rows} rows over ranks {self.ranks}, 1 all_to_all each "
                     f"way\n  forward: {shown or '(nothing moves)'}\n"
                     f"  cost: max recv {recv} row(s)/rank (lower bound {bound})")
-        from .plan import format_bytes
+        from .text import format_bytes
 
         src, dst = self.src, self.dst
         return "\n".join([

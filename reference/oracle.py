@@ -81,15 +81,28 @@ def _flatten_pattern(layout: Layout) -> str:
     return " ".join(g if " " not in g else f"({g})" for g in groups)
 
 
-def shard(x: torch.Tensor, layout: Layout, **counts: tuple[int, ...]) -> dict[int, torch.Tensor]:
-    """Every holder's piece of the global ``x`` (dims in the pattern's order).
+def shard(x: torch.Tensor, layout: Layout, *, rank: int | None = None,
+          **counts: tuple[int, ...]):
+    """Every holder's piece of the global ``x`` (dims in the pattern's order), or with
+    ``rank`` that rank's piece alone (what a training script takes of a global batch:
+    e.g. an encoder rank's images, ``rank=r, i=images_per_sample`` for a layout ragged
+    over per-sample counts).
 
     Under a partial layout the piece at partial index 0 holds the values and the other
     members of the partial group hold zeros, so the pieces sum to ``x``. A ragged dim
-    needs its counts as a keyword (``t=(3, 0, 5, 2)``, summing to its size). A packed
-    layout's piece is its rows of ``x`` (rows flattened over its token dims), zero at
-    padding (:func:`shard_rows`).
+    needs its counts as a keyword (``t=(3, 0, 5, 2)``, summing to its size; one count
+    per shard, or per sample). A packed layout's piece is its rows of ``x`` (rows
+    flattened over its token dims), zero at padding (:func:`shard_rows`).
+
+    >>> from mimo_fx import Grid, Layout
+    >>> images = Layout(Grid(dp=2), "(dp i) c", ragged="dp")   # 4 samples: 2 per rank
+    >>> shard(torch.arange(5.0).unsqueeze(1), images, rank=1, i=(2, 0, 1, 2)).flatten()
+    tensor([2., 3., 4.])
     """
+    if rank is not None:
+        if not layout.holds(rank):
+            raise MimoFxError(f"shard: rank {rank} holds no piece of {layout.describe()!r}")
+        return shard(x, _only(layout, rank), **counts)[rank]  # type: ignore[arg-type]
     if is_row_layout(layout):
         return shard_rows(x, layout)
     if x.dim() != len(layout.dims):
@@ -109,7 +122,7 @@ def shard(x: torch.Tensor, layout: Layout, **counts: tuple[int, ...]) -> dict[in
                           f"counts, e.g. {missing[0]}=(...)")
     lhs, rhs = " ".join(layout.dims), _flatten_pattern(layout)
     out = {}
-    for rank in layout.holders:
+    for rank in getattr(layout, "_only", layout.holders):
         index = shard_index(layout, rank, sizes)
         piece = x[torch.meshgrid(*index, indexing="ij")] if x.dim() else x.clone()
         piece = einops.rearrange(piece, f"{lhs} -> {rhs}")
@@ -163,6 +176,23 @@ def unshard(
     if not bool(seen.all()):
         raise MimoFxError(f"unshard: pieces do not cover the tensor under {layout.describe()!r}")
     return out
+
+
+class _One:
+    """A layout that answers ``holders`` with one rank (the rest it takes from the
+    layout): :func:`shard` of one rank's piece computes no other."""
+
+    def __init__(self, layout, rank: int) -> None:
+        self._layout, self._only = layout, (rank,)
+
+    def __getattr__(self, name: str):
+        return getattr(self._layout, name)
+
+
+def _only(layout, rank: int):
+    if is_row_layout(layout):
+        return layout  # (its rows are a rank's own: one rank costs one rank)
+    return _One(layout, rank)
 
 
 # -- row layouts (a packed batch) ----------------------------------------------------------

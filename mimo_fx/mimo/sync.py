@@ -53,7 +53,7 @@ from mimo_fx.grid import Grid
 
 from .config import MimoParallelism, embedding_group, is_first_stage, is_last_stage
 
-__all__ = ["GradSync", "TiedGrads", "Bucket", "data_axes", "embedding_groups"]
+__all__ = ["GradSync", "TiedGrads", "Bucket", "data_axes", "embedding_groups", "fsdp_sums"]
 
 Ranks = tuple[int, ...]
 DATA_AXES = ("dp", "cp")
@@ -69,6 +69,27 @@ _NOT_DATA = {
 def data_axes(grid: Grid, axes: Sequence[str] = DATA_AXES) -> tuple[str, ...]:
     """The axes of ``axes`` that split ``grid``'s data: present, and of size > 1."""
     return tuple(a for a in axes if a in grid.names and grid.axis_size(a) > 1)
+
+
+def fsdp_sums(module: nn.Module) -> nn.Module:
+    """Make an FSDP2 module (``fully_shard``) *sum* its gradients over its mesh, as the
+    loss convention here needs (every loss is divided by the step's global token count,
+    so the step's gradient is the sum over data replicas; FSDP2 averages by default,
+    which makes the module's gradient 1/DP too small). Sets a divide factor of 1 and a
+    plain SUM reduction (with the divide factor alone, gloo raises "Cannot use
+    ReduceOp.PREMUL_SUM with Gloo"). Returns the module.
+
+    >>> fsdp_sums(torch.nn.Linear(2, 2))  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    mimo_fx.errors.MimoFxError: ... is not an FSDP2 module ...
+    """
+    if not hasattr(module, "set_gradient_divide_factor"):
+        raise MimoFxError(f"fsdp_sums: {type(module).__name__} is not an FSDP2 module; "
+                          f"wrap it with torch.distributed.fsdp.fully_shard first")
+    fsdp: Any = module
+    fsdp.set_gradient_divide_factor(1.0)
+    fsdp.set_force_sum_reduction_for_comms(True)
+    return module
 
 
 def embedding_groups(grid: Grid) -> tuple[Ranks, ...]:
