@@ -56,6 +56,7 @@ class Options:
             raise MimoFxError(f"grad_partial={gp!r} must be a tuple of axis names, e.g. ('cp',)")
         if self.device is not None:
             object.__setattr__(self, "device", str(torch.device(self.device)))
+        _check_comm_dtype(self.dtype, self.comm_dtype)
 
     @staticmethod
     def names() -> tuple[str, ...]:
@@ -74,6 +75,37 @@ class Options:
 
 
 OPTION_NAMES = Options.names()
+
+_FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_comm_dtype(dtype: torch.dtype, wire: torch.dtype | None) -> None:
+    """``comm_dtype`` only where it is lossless, or an explicit lower-precision float for
+    float data: it never changes values by accident."""
+    if wire is None or wire == dtype:
+        return
+    if dtype in _FLOATS and wire in _FLOATS:
+        return  # a float for float data: lower precision is what it is asked for
+    if _holds(wire, dtype):
+        return  # every value of dtype exactly (int32 data moved as int64, say)
+    fix = ("a lower-precision float (torch.bfloat16 or torch.float16)"
+           if dtype in _FLOATS else f"None (move {dtype} as it is), or a wider integer type")
+    raise MimoFxError(f"comm_dtype={wire} would change {dtype} data (it cannot hold every "
+                      f"{dtype} value); use {fix}")
+
+
+def _holds(wire: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether every value of ``dtype`` is a value of ``wire``."""
+    if dtype.is_complex or wire.is_complex:
+        return dtype.is_complex and wire.is_complex and wire.itemsize >= dtype.itemsize
+    if dtype == torch.bool:
+        return True  # 0 and 1 are values of every dtype
+    if dtype.is_floating_point or wire.is_floating_point:
+        return False  # (float to float is allowed above; ints and floats do not mix)
+    ints = [torch.int8, torch.int16, torch.int32, torch.int64]
+    if dtype == torch.uint8:
+        return wire in (torch.int16, torch.int32, torch.int64)
+    return dtype in ints and wire in ints and ints.index(wire) >= ints.index(dtype)
 
 
 def require_compiler(*, scalar_outputs: bool = False, unbacked_tensors: bool = False) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -101,6 +102,9 @@ class Redistributor:
         self.lease = Lease(f"this bridge {src.describe()!r} -> {dst.describe()!r}",
                            (), tagged + checks)
         timeouts.register(self.name, self._context().rstrip(": "))
+        _BY_NAME[self.name] = self
+        if not dst.holds(self.rank) and self.involved:
+            SOURCE_ONLY.setdefault(self.name, None)
         self.executor = CompiledExecutor(self.lease.comm(fwd), comm_dtype,
                                          self.lease.comm(bwd), self.name)
         needs_check_comm = (checked or self.free) and checks and self.involved
@@ -245,8 +249,9 @@ class Redistributor:
             x = x.view(x.shape)
         (y,) = apply(self.executor, fwd, bwd, (x,), env, self.sizing.variables, index)
         if not self.dst.holds(self.rank) and y.requires_grad and not _in_grad_transform():
-            # a source-only rank: its backward runs in mimo_fx.backward()
-            SOURCE_ONLY.append((y, self.name))
+            # a source-only rank: its backward runs in mimo_fx.backward() (a store under
+            # a key made when the bridge was built: a compiled step guards on no state)
+            SOURCE_ONLY[self.name] = y
         return y
 
     def _check_backward(self, g, program, num) -> bool:
@@ -268,17 +273,25 @@ class Redistributor:
         return self._learn(x, full), frozenset(missing)
 
     def _learn(self, x, known: dict) -> dict:
-        """The exchange: every rank's shape row, then every size from them."""
-        assert self._check_comm is not None
+        """The exchange: every rank's shape row, then every size from them. Under
+        ``torch.compile`` the exchange is an ordered op that also judges the rows when
+        the graph runs, raising the eager call's error on every rank."""
         row = self.sizing.size_row(x, self.device)
+        if not torch.compiler.is_compiling():
+            return self.sizing.sizes_from(self._exchange_rows(row), known)
+        values, spec = _flat_sizes(known)
+        rows = _EXCHANGE(row, values, self.name, spec).view(len(self.union), -1)
+        return self.sizing.sizes_from(rows, known)
+
+    def _exchange_rows(self, row: torch.Tensor) -> torch.Tensor:
+        assert self._check_comm is not None
         try:
-            rows = self._check_comm.all_gather(row, self.union).view(len(self.union), -1)
+            return self._check_comm.all_gather(row, self.union).view(len(self.union), -1)
         except (RuntimeError, MimoFxError) as err:  # a timeout or a peer gone
             raise MimoFxError(
                 self._context() + f"rank {self.rank} waited in vain for every rank's size "
                 f"row ({cause(err)}). Every rank of both grids calls the bridge, giving the "
                 f"same set of sizes ({wait_time()})") from None
-        return self.sizing.sizes_from(rows, known)
 
     def _warn_none_in_func(self, bwd) -> None:
         if self._warned_func or not bwd.ops or not _in_grad_transform():
@@ -297,6 +310,7 @@ class Redistributor:
         if self.lease.live:
             self.lease.release()
             self.sizing.forget()
+            SOURCE_ONLY.pop(self.name, None)
             if self._slot is not None:
                 _LIVE[self._slot[0]].discard(self._slot[1])
 
@@ -305,8 +319,8 @@ class Redistributor:
 __all__ += ["HEADER_LEN"]
 
 
-# the results of calls on ranks that hold no dst piece, with their bridge's name
-SOURCE_ONLY: list[tuple[torch.Tensor, str]] = []
+# per bridge, the result of its last call on this rank if the rank holds no dst piece
+SOURCE_ONLY: dict[str, torch.Tensor | None] = {}
 
 
 def backward(loss: torch.Tensor | None = None) -> None:
@@ -314,8 +328,9 @@ def backward(loss: torch.Tensor | None = None) -> None:
     with the backward of every bridge call whose result this rank does not hold (on a
     source-only rank, an encoder on ranks of its own, the only way its part of those
     backwards runs). Every rank calls it once per step; a rank without a loss passes
-    nothing. Eager or after a compiled step, the same call. (A source-only result whose
-    backward already ran, by hand, is not run again.)"""
+    nothing. Eager or after a compiled step, the same call. It covers each bridge's last
+    call (several calls of one bridge before their backwards: backpropagate through
+    their results yourself); a result whose backward already ran is not run again."""
     pending = _awaiting_backward()
     tensors = ([loss] if loss is not None else []) + pending
     grads = ([torch.ones_like(loss)] if loss is not None else []) + [
@@ -325,17 +340,71 @@ def backward(loss: torch.Tensor | None = None) -> None:
 
 
 def _awaiting_backward() -> list[torch.Tensor]:
-    """The source-only results whose backward has not run (a bridge's last
-    ``forwards - backwards`` calls on this rank), taken off the list."""
-    by_bridge: dict[str, list[torch.Tensor]] = {}
-    for y, name in SOURCE_ONLY:
-        by_bridge.setdefault(name, []).append(y)
-    SOURCE_ONLY.clear()
+    """The source-only results whose backward has not run (this rank ran fewer
+    backwards than forwards of their bridge), taken off (the keys stay)."""
     out = []
-    for name, ys in by_bridge.items():
-        behind = timeouts.calls(name, "forward") - timeouts.calls(name, "backward")
-        out += ys[max(len(ys) - behind, 0):]
+    for name, y in SOURCE_ONLY.items():
+        if y is not None and timeouts.calls(name, "forward") > timeouts.calls(name, "backward"):
+            out.append(y)
+        SOURCE_ONLY[name] = None
     return out
+
+
+# -- the size exchange as one ordered op (a compiled call's) ---------------------------------
+_BY_NAME: weakref.WeakValueDictionary[str, Redistributor] = weakref.WeakValueDictionary()
+
+
+def _flat_sizes(sizes: dict) -> tuple[list, str]:
+    """Sizes as one list of ints and a spec to read them back (``b``, ``t=3``)."""
+    values: list = []
+    spec = []
+    for d, n in sizes.items():
+        if isinstance(n, tuple):
+            values += list(n)
+            spec.append(f"{d}={len(n)}")
+        else:
+            values.append(n)
+            spec.append(d)
+    return values, ",".join(spec)
+
+
+def _read_sizes(values: list, spec: str) -> dict:
+    out: dict = {}
+    at = 0
+    for part in filter(None, spec.split(",")):
+        d, _, n = part.partition("=")
+        if n:
+            out[d] = tuple(values[at:at + int(n)])
+            at += int(n)
+        else:
+            out[d] = values[at]
+            at += 1
+    return out
+
+
+def _exchange_impl(row: torch.Tensor, known, bridge: str, spec: str) -> torch.Tensor:
+    """Every rank's size row, judged as an eager call judges them (the same error on
+    every rank for a bad one)."""
+    self = _BY_NAME[bridge]
+    rows = self._exchange_rows(row)
+    self.sizing.sizes_from(rows, _read_sizes([int(v) for v in known], spec))
+    return rows.reshape(-1).clone()
+
+
+_LIB = torch.library.Library("mimo_fx", "FRAGMENT")
+try:
+    _EXCHANGE = torch.ops.mimo_fx.exchange_sizes.default
+except AttributeError:  # (this module may be executed twice, e.g. by a doctest run)
+    _LIB.define("exchange_sizes(Tensor row, SymInt[] known, str bridge, str spec) -> Tensor")
+    _LIB.impl("exchange_sizes", _exchange_impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(
+        "mimo_fx::exchange_sizes",
+        lambda row, known, bridge, spec: row.new_empty(row.numel() * len(_BY_NAME[bridge].union)),
+        lib=_LIB)
+    _EXCHANGE = torch.ops.mimo_fx.exchange_sizes.default
+    from .comm import register_ordered
+
+    register_ordered(_EXCHANGE)
 
 
 _LIVE: dict[tuple, set[int]] = {}  # per (layouts, options) key: the slots live bridges hold
