@@ -120,7 +120,8 @@ def _wrong_shapes(src: Layout, shapes: dict, sizes: dict) -> list[str]:
 
 def _row_problems(rows, ranks, src: Layout, print_: int, ndim: int,
                   dtype: torch.dtype) -> list[str]:
-    split = calls_differ(rows, ranks, "layouts, dtype or options", MAGIC_SIZES)
+    split = calls_differ(rows, ranks, "layouts, dtype, options, or the sizes or batch a "
+                         "call gives", MAGIC_SIZES)
     out = [split] if split else []
     for rank, row in zip(ranks, rows):
         magic, _, dims, code = row[:HEADER]

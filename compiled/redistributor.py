@@ -107,7 +107,7 @@ class Redistributor:
             SOURCE_ONLY.setdefault(self.name, None)
         self.executor = CompiledExecutor(self.lease.comm(fwd), comm_dtype,
                                          self.lease.comm(bwd), self.name)
-        needs_check_comm = (checked or self.free) and checks and self.involved
+        needs_check_comm = (checked or self.free or self.rows) and checks and self.involved
         self._check_comm = self.lease.comm(CHECK) if needs_check_comm else None
         key = (src, dst, sorted(self.fixed.items()), str(opts.dtype), opts.grad_partial,
                str(comm_dtype), self.name)
@@ -213,7 +213,7 @@ class Redistributor:
 
     def _call(self, x: torch.Tensor | None, sizes, dim_sizes,
               layouts: dict) -> torch.Tensor | None:
-        full, learned = self._sizes(x, sizes, dim_sizes)
+        full, learned = self._sizes(x, sizes, dim_sizes, layouts)
         try:
             fwd, bwd, env, *inputs = self.sizing.programs(full, learned, x, **layouts)
         except MimoFxError as err:  # checked: every rank raises with it, none waits
@@ -248,7 +248,7 @@ class Redistributor:
             # input an op's output, whose requirement Dynamo does see.
             x = x.view(x.shape)
         (y,) = apply(self.executor, fwd, bwd, (x,), env, self.sizing.variables, index)
-        if not self.dst.holds(self.rank) and y.requires_grad and not _in_grad_transform():
+        if not self.dst.holds(self.rank) and y.requires_grad and not _in_transform():
             # a source-only rank: its backward runs in mimo_fx.backward() (a store under
             # a key made when the bridge was built: a compiled step guards on no state)
             SOURCE_ONLY[self.name] = y
@@ -259,29 +259,43 @@ class Redistributor:
         shape = None if program.src_shape is None else num.all(program.src_shape)
         return self.guard(g, "dst", shape, None, None, True)
 
-    def _sizes(self, x, sizes, dim_sizes) -> tuple[dict, frozenset]:
-        """Every dim's size for this call, and the dims learned by the exchange."""
-        if not self.free:
+    def _sizes(self, x, sizes, dim_sizes, layouts: dict) -> tuple[dict, frozenset]:
+        """Every dim's size for this call, and the dims learned by the exchange. A
+        bridge whose sizes or batch vary exchanges size rows on every call, learning
+        what is missing and checking what is given (the rows carry its digest): ranks
+        that give different sizes or batches raise, never pair mismatched data."""
+        if not self.free and not self.rows:
             if sizes is not None or dim_sizes:
                 self.sizing.given(sizes, dim_sizes)
             return self.fixed, frozenset()
         given = self.sizing.given(sizes, dim_sizes)
         full = {**self.fixed, **given}
         missing = self.sizing.missing(given)
-        if not missing:
+        if len(self.union) == 1:
             return full, frozenset()
-        return self._learn(x, full), frozenset(missing)
+        if not missing and not self.rows and not torch.compiler.is_compiling():
+            self._check_given(x, full)
+        return self._learn(x, full, layouts), frozenset(missing)
 
-    def _learn(self, x, known: dict) -> dict:
+    def _check_given(self, x, full: dict) -> None:
+        """Every size given: this rank's tensor judged against them before the exchange
+        (a rank alone in its mistake raises at once, before any collective). Eager
+        only: a trace's sizes are symbols, judged when its checks run."""
+        self.guard.local(x, "src", self.guard.expect("src", self.rank, full).shape, full)
+
+    def _learn(self, x, known: dict, layouts: dict) -> dict:
         """The exchange: every rank's shape row, then every size from them. Under
         ``torch.compile`` the exchange is an ordered op that also judges the rows when
         the graph runs, raising the eager call's error on every rank."""
         row = self.sizing.size_row(x, self.device)
-        if not torch.compiler.is_compiling():
-            return self.sizing.sizes_from(self._exchange_rows(row), known)
+        batch = [lay.data for lay in (layouts.get("src", self.src), layouts.get("dst", self.dst))
+                 if is_row_layout(lay)]
         values, spec = _flat_sizes(known)
-        rows = _EXCHANGE(row, values, self.name, spec).view(len(self.union), -1)
-        return self.sizing.sizes_from(rows, known)
+        if torch.compiler.is_compiling():
+            rows = _EXCHANGE(row, values, batch, self.name, spec)
+        else:
+            rows = _exchange_impl(row, values, batch, self.name, spec)
+        return self.sizing.sizes_from(rows.view(len(self.union), -1), known)
 
     def _exchange_rows(self, row: torch.Tensor) -> torch.Tensor:
         assert self._check_comm is not None
@@ -382,12 +396,16 @@ def _read_sizes(values: list, spec: str) -> dict:
     return out
 
 
-def _exchange_impl(row: torch.Tensor, known, bridge: str, spec: str) -> torch.Tensor:
-    """Every rank's size row, judged as an eager call judges them (the same error on
-    every rank for a bad one)."""
+def _exchange_impl(row: torch.Tensor, known, batch, bridge: str, spec: str) -> torch.Tensor:
+    """Every rank's size row, its fingerprint folding in the sizes the call gives and
+    its batch, judged as an eager call judges them (the same error on every rank for a
+    bad one)."""
     self = _BY_NAME[bridge]
-    rows = self._exchange_rows(row)
-    self.sizing.sizes_from(rows, _read_sizes([int(v) for v in known], spec))
+    known = [int(v) for v in known]
+    mine = row.clone()
+    mine[1] = fingerprint(int(mine[1]), known, spec, [b.tolist() for b in batch])
+    rows = self._exchange_rows(mine)
+    self.sizing.sizes_from(rows, _read_sizes(known, spec))
     return rows.reshape(-1).clone()
 
 
@@ -395,12 +413,13 @@ _LIB = torch.library.Library("mimo_fx", "FRAGMENT")
 try:
     _EXCHANGE = torch.ops.mimo_fx.exchange_sizes.default
 except AttributeError:  # (this module may be executed twice, e.g. by a doctest run)
-    _LIB.define("exchange_sizes(Tensor row, SymInt[] known, str bridge, str spec) -> Tensor")
+    _LIB.define("exchange_sizes(Tensor row, SymInt[] known, Tensor[] batch, str bridge, "
+                "str spec) -> Tensor")
     _LIB.impl("exchange_sizes", _exchange_impl, "CompositeExplicitAutograd")
     torch.library.register_fake(
         "mimo_fx::exchange_sizes",
-        lambda row, known, bridge, spec: row.new_empty(row.numel() * len(_BY_NAME[bridge].union)),
-        lib=_LIB)
+        lambda row, known, batch, bridge, spec: row.new_empty(
+            row.numel() * len(_BY_NAME[bridge].union)), lib=_LIB)
     _EXCHANGE = torch.ops.mimo_fx.exchange_sizes.default
     from .comm import register_ordered
 
@@ -474,6 +493,16 @@ def _debug_logging() -> None:
         handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
         LOG.addHandler(handler)
     LOG.setLevel(logging.DEBUG)
+
+
+def _in_transform() -> bool:
+    """Whether the call runs inside a ``torch.func`` transform, eager or traced (there a
+    source-only result is the transform's to differentiate, never kept for
+    :func:`backward`: a transform's tensor must not outlive it)."""
+    from torch._C._functorch import peek_interpreter_stack
+
+    # (``!=``, not ``is not``: Dynamo compares the interpreter it wraps by value)
+    return peek_interpreter_stack() != None  # noqa: E711
 
 
 def _in_grad_transform() -> bool:

@@ -65,6 +65,9 @@ def redistribute(x, src, dst, *, sizes=None, grad_partial=(), comm_dtype=None,
     >>> sorted(y), y[1].tolist()
     ([0, 1, 2, 3], [[1.0], [3.0], [5.0], [7.0]])
     """
+    if is_dtensor(x):
+        raise MimoFxError("redistribute takes layouts; to move a DTensor to another mesh "
+                          "call mimo_fx.redistribute_dtensor(x, dst_mesh, dst_placements)")
     for side, layout in (("src", src), ("dst", dst)):
         _check_layout(side, layout)
     if isinstance(x, Mapping):
@@ -78,9 +81,6 @@ def redistribute(x, src, dst, *, sizes=None, grad_partial=(), comm_dtype=None,
 
         return reference_redistribute(x, src, dst, sizes=sizes, grad_partial=grad_partial,
                                       **dim_sizes)
-    if is_dtensor(x):
-        raise MimoFxError("redistribute takes layouts; to move a DTensor to another mesh "
-                          "call mimo_fx.redistribute_dtensor(x, dst_mesh, dst_placements)")
     if x is not None and not isinstance(x, torch.Tensor):
         raise MimoFxError(f"redistribute takes a tensor, None, or a dict {{rank: tensor}}; "
                           f"got {type(x).__name__}")

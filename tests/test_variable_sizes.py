@@ -173,11 +173,11 @@ def _exchange_facts(rank: int) -> dict:
     y = bridge(x)                         # b, s learned: one exchange + the data
     learned = trace.since(start)
     start = trace.mark()
-    y2 = bridge(x, b=8, s=16)              # every size given: the data only
+    y2 = bridge(x, b=8, s=16)              # every size given: checked by one exchange
     given = trace.since(start)
-    out["exchange_only_when_sizes_are_missing"] = (
+    out["one_exchange_per_call_learned_or_given"] = (
         [c.kind for c in learned] == [Collective.ALL_GATHER] * 2
-        and [c.kind for c in given] == [Collective.ALL_GATHER]
+        and [c.kind for c in given] == [Collective.ALL_GATHER] * 2
         and learned[0].ranks == tuple(range(8)) and torch.equal(y, y2)
         and torch.equal(y, shard(X, dst)[rank]))
     # uneven sizes (b=7 over dp 4 and 2, s=10 not a multiple of the zigzag granule 4 is
@@ -317,7 +317,7 @@ def test_ragged_counts_per_replica_equal_the_oracle(world8, case):
     assert [res["c"][case]["graphs"] for res in world8] == [1] * 8
 
 
-@pytest.mark.parametrize("fact", ["exchange_only_when_sizes_are_missing",
+@pytest.mark.parametrize("fact", ["one_exchange_per_call_learned_or_given",
                                   "uneven_sizes_learned_exactly", "cache_is_bounded"])
 def test_exchange_facts(world8, fact):
     assert all(res["facts"][fact] for res in world8), [res["facts"][fact] for res in world8]
