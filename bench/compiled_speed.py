@@ -12,7 +12,7 @@ the max over ranks of the per-rank medians (an ``all_reduce(MAX)`` of floats):
   in one loop (one call of each per iteration, in rotating order), so a change in the
   machine's load during the run hits all three alike and their ratios stay fair.
 - bare ms: the same functional collectives the bridge's forward program issues, without
-  the bridge: for each op of ``bridge._fwd_program.ops`` a contiguous buffer of the packed
+  the bridge: for each op of ``bridge.sizing.fwd_program.ops`` a contiguous buffer of the packed
   size (the sum of its pieces' sizes and pads) is allocated once, and each timed
   iteration issues the same collective through the bridge's own comm (the ordered
   ``mimo_fx::*`` ops over ``torch.distributed``'s functional collectives, waited on),
@@ -147,11 +147,11 @@ def _measure(rank: int, world: int, case: Case, sizes: dict[str, int], iters: in
 
     bridge = Redistributor(case.src, case.dst, sizes, torch.float32)
     try:
-        program = bridge._fwd_program
+        program = bridge.sizing.fwd_program
         gen = torch.Generator().manual_seed(rank)
-        x = (torch.randn(bridge._src_shape, generator=gen)
-             if bridge._src_shape is not None else None)
-        src_bytes = 4 * math.prod(bridge._src_shape) if x is not None else 0
+        x = (torch.randn(bridge.sizing.fwd_program.src_shape, generator=gen)
+             if bridge.sizing.fwd_program.src_shape is not None else None)
+        src_bytes = 4 * math.prod(bridge.sizing.fwd_program.src_shape) if x is not None else 0
         with torch.no_grad():
             eager_y = bridge(x)
             dst_bytes = 4 * eager_y.numel() if eager_y is not None else 0

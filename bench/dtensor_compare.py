@@ -223,7 +223,7 @@ def _measure(rank: int, case: Case, sizes: dict[str, int], iters: int, warmup: i
         fns = {"mimo_fx": lambda: bridge(x),
                "DTensor": _dtensor(case, x, tuple(x_global.shape)),
                "leader": _leader(case, rank, x, sizes),
-               "bare": bare(bridge._fwd_program, bridge.executor.comm)}
+               "bare": bare(bridge.sizing.fwd_program, bridge.executor.comm)}
         with torch.no_grad():
             wrong = [name for name in VARIANTS[:3]
                      if not torch.equal(fns[name](), expected)]
@@ -233,7 +233,7 @@ def _measure(rank: int, case: Case, sizes: dict[str, int], iters: int, warmup: i
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         out = dict(zip(VARIANTS, values[:4].tolist()))
         out["wrong"] = [n for n, w in zip(VARIANTS[:3], values[4:].tolist()) if w]
-        out["ops"] = len(bridge._fwd_program.ops)
+        out["ops"] = len(bridge.sizing.fwd_program.ops)
         out["src_bytes"] = x.numel() * 4
         out["dst_bytes"] = expected.numel() * 4
         return out

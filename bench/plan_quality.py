@@ -43,30 +43,31 @@ rank on the wider data-parallel side, so b = lcm of the two DP sizes) it prints:
   leaders -> broadcast over each src replica). Its peak per-rank bytes and modelled time
   stand beside mimo_fx's.
 
-**Table 3, image-token delivery** (MiB per CP rank; from ``mimo_fx.index``): image
+**Table 3, image-token delivery** (MiB per CP rank; ``plan()`` of a ``PackedLayout``): image
 embeddings (hidden 4096, bf16: 8192 bytes a row) go from an encoder on DP over ranks
 0..N/2-1 to an LLM on CP x DP (cp inner) over ranks N/2..N-1, cp in 2, 4, 8 where it
 fits. Every LLM replica packs the same synthetic batch (``synthetic_batch``: 16 samples,
 64-2048 text tokens and 0-3 images of 256, 576 or 1024 tokens each, seed 0) into one
 zigzag ``mimo_fx.packed.Packing``; encoder rank d*cp + k holds, as one contiguous block,
 the image rows of the k-th block of replica d's samples; CP rank k of replica d needs
-the rows ``mimo_fx.packed.image_rows`` gives it (those in its zigzag chunks).
-``mimo_fx.index.plan_rows`` plans the whole world up to 64 ranks; above, it plans one
+the rows in its zigzag chunks: the layouts are ``(dp t) h`` (ragged) and the batch's
+``PackedLayout(...).select(image tokens)``, planned by ``mimo_fx.plan`` (the same entry
+point as the other tables). It plans the whole world up to 64 ranks; above, it plans one
 replica with its encoder ranks (replicas are independent and identical, and at 64 ranks
 the whole world's numbers equal one replica's), the ``planned`` column says which.
 
 - fwd recv / bound / bwd sent: the most any CP rank receives forward, the lower bound
-  (``plan.lower_bound()``: the distinct rows it needs), the most it sends back. Every
+  (``plan.needed_rows()``: the distinct rows it needs), the most it sends back. Every
   CP rank must receive exactly its bound and send exactly that back, and every encoder
   rank must get back what it sent; a row where not is flagged ``CHECK`` (exit status 1).
-- seed fwd / seed bwd: the seed scheme per CP rank (``mimo_fx.index.seed_bytes`` / cp):
+- seed fwd / seed bwd: the seed scheme per CP rank (``mimo_fx.rows.seed_bytes`` / cp):
   every CP rank receives all the replica's image rows; back, a ring all-reduce of the
   whole gradient over CP, then each row's gradient to its encoder rank.
 - seed/mimo_fx total (fwd | bwd): both schemes' bytes summed over all ranks; must be
   >= cp in both directions, else ``CHECK``. seed/mimo_fx peak: seed per CP rank over
   the busiest CP rank of mimo_fx; below total when the zigzag gives CP ranks unequal
   shares of the image tokens (it balances tokens, not image tokens).
-- fwd ms / bwd ms: the index bridge, one all_to_all each way (point-to-point, as below).
+- fwd ms / bwd ms: the row plan, one all_to_all each way (point-to-point, as below).
   seed fwd ms: encoder rank k sends its block to CP rank k (point-to-point), then a ring
   all-gather over CP; seed bwd ms: ring all-reduce over CP, then CP rank k returns block
   k's gradient to encoder rank k. speedup: seed over mimo_fx, forward plus backward.
@@ -118,9 +119,9 @@ from tabulate import tabulate
 
 from mimo_fx import Grid, Layout, backward_plan, plan
 from mimo_fx.explain import step_matrix
-from mimo_fx.index import IndexPlan, plan_rows, seed_bytes
-from mimo_fx.packed import Packing, image_rows
+from mimo_fx.packed import PackedLayout
 from mimo_fx.plan import Collective, Exchange, Plan
+from mimo_fx.rows import RowPlan, seed_bytes
 
 WORLDS = (8, 64, 512, 4096)
 QUICK_WORLDS = (8, 64)
@@ -360,7 +361,8 @@ def plan_seconds(p: Plan) -> float:
 
 
 # -- image-token delivery -------------------------------------------------------------------
-ROW_BYTES = 4096 * ITEMSIZE  # one image embedding: hidden 4096, bf16
+HIDDEN = 4096
+ROW_BYTES = HIDDEN * ITEMSIZE  # one image embedding: hidden 4096, bf16
 CPS = (2, 4, 8)
 SAMPLES = 16  # per LLM DP replica
 IMAGE_TOKENS = (256, 576, 1024)  # tokens per image
@@ -407,49 +409,54 @@ def synthetic_batch(seed: int = BATCH_SEED) -> Batch:
 
 @dataclass(frozen=True)
 class Delivery:
-    """Who holds and who needs which image rows: the encoder on DP over ranks 0..N/2-1,
-    the LLM as CP x DP (cp inner) on ranks N/2..N-1; encoder rank d*cp + k encodes the
-    k-th block of samples of LLM replica d, whose CP rank k needs the rows in its zigzag
-    chunks."""
+    """Who holds and who needs which image rows, as layouts: the encoder on DP over ranks
+    0..N/2-1 (``(dp t) h``, ragged), the LLM as CP x DP (cp inner) on ranks N/2..N-1 (a
+    ``PackedLayout`` of the batch in every replica, its image tokens selected); encoder
+    rank d*cp + k encodes the k-th block of samples of LLM replica d, whose CP rank k
+    needs the rows in its zigzag chunks."""
 
     world: int
     cp: int
     replicas: int  # LLM replicas planned
     rows: int      # image rows per replica
-    src: dict[int, tuple[int, ...]]
-    dst: dict[int, tuple[int, ...]]
+    src: Layout
+    dst: PackedLayout
+    counts: tuple[int, ...]  # image rows per encoder rank
+
+    @property
+    def src_ranks(self) -> range:
+        return self.src.grid.ranks
+
+    @property
+    def dst_ranks(self) -> range:
+        return self.dst.grid.ranks
 
 
 def delivery(batch: Batch, world: int, cp: int, replicas: int) -> Delivery:
-    """The rows held and needed by the first ``replicas`` LLM replicas and their encoder
-    ranks, replica d's rows numbered d*rows.. onwards."""
-    rows = len(batch.positions)
-    needs = image_rows(Packing(batch.lengths, cp), batch.positions)
+    """The layouts of the first ``replicas`` LLM replicas and their encoder ranks,
+    replica d's rows numbered d*rows.. onwards."""
+    rows, total = len(batch.positions), sum(batch.lengths)
     starts = batch.sample_rows
-    src: dict[int, tuple[int, ...]] = {}
-    dst: dict[int, tuple[int, ...]] = {}
-    for d in range(replicas):
-        base = d * rows
+    counts = []
+    for _ in range(replicas):
         for k in range(cp):
             lo, hi = _samples(k, cp, SAMPLES)
-            src[d * cp + k] = tuple(range(base + starts[lo], base + starts[hi]))
-            dst[world // 2 + d * cp + k] = tuple(base + g for g in needs[k].rows.tolist())
-    return Delivery(world, cp, replicas, rows, src, dst)
+            counts.append(starts[hi] - starts[lo])
+    src = Layout(Grid(dp=replicas * cp), "(dp t) h", ragged="dp")
+    tokens = PackedLayout(Grid(cp=cp, dp=replicas, offset=world // 2), "t h",
+                          [batch.lengths] * replicas)
+    dst = tokens.select([d * total + p for d in range(replicas) for p in batch.positions])
+    return Delivery(world, cp, replicas, rows, src, dst, tuple(counts))
 
 
-def _index_pairs(p: IndexPlan, direction: str) -> dict[tuple[int, int], float]:
-    """Bytes each rank sends each other rank in one direction of an index plan."""
-    pairs: dict[tuple[int, int], float] = {}
-    for r, step in zip(p.ranks, p.steps(direction)):
-        for peer, count in zip(p.ranks, step.send_counts):
-            if count:
-                pairs[r, peer] = float(count * ROW_BYTES)
-    return pairs
+def _row_pairs(p: RowPlan, direction: str) -> dict[tuple[int, int], float]:
+    """Bytes each rank sends each other rank in one direction of a row plan."""
+    return {pair: float(n * ROW_BYTES) for pair, n in p.pairs(direction).items()}
 
 
-def index_plan_seconds(p: IndexPlan) -> tuple[float, float]:
-    """An index plan's modelled forward and backward: one all_to_all each."""
-    return p2p_seconds(_index_pairs(p, "forward")), p2p_seconds(_index_pairs(p, "backward"))
+def row_plan_seconds(p: RowPlan) -> tuple[float, float]:
+    """A row plan's modelled forward and backward: one all_to_all each."""
+    return p2p_seconds(_row_pairs(p, "forward")), p2p_seconds(_row_pairs(p, "backward"))
 
 
 def seed_seconds(dl: Delivery) -> tuple[float, float]:
@@ -461,7 +468,7 @@ def seed_seconds(dl: Delivery) -> tuple[float, float]:
     gather = 0.0
     for d in range(dl.replicas):
         cp_ranks = tuple(range(dl.world // 2 + d * dl.cp, dl.world // 2 + (d + 1) * dl.cp))
-        blocks = [len(dl.src[d * dl.cp + k]) for k in range(dl.cp)]
+        blocks = [dl.counts[d * dl.cp + k] for k in range(dl.cp)]
         for k, c in enumerate(cp_ranks):
             if blocks[k]:
                 to_cp[d * dl.cp + k, c] = float(blocks[k] * ROW_BYTES)
@@ -479,10 +486,10 @@ def seed_seconds(dl: Delivery) -> tuple[float, float]:
 @dataclass
 class DeliveryRow:
     dl: Delivery
-    plan: IndexPlan
+    plan: RowPlan
 
     def _cp_max(self, what: Callable[[int], int]) -> float:
-        return float(max(what(r) for r in self.dl.dst) * ROW_BYTES)
+        return float(max(what(r) for r in self.dl.dst_ranks) * ROW_BYTES)
 
     @property
     def fwd_recv(self) -> float:
@@ -490,7 +497,7 @@ class DeliveryRow:
 
     @property
     def bound(self) -> float:
-        return self._cp_max(self.plan.lower_bound().__getitem__)
+        return self._cp_max(self.plan.needed_rows().__getitem__)
 
     @property
     def bwd_sent(self) -> float:
@@ -513,11 +520,11 @@ class DeliveryRow:
         """Every rank receives its lower bound forward and sends it back, the encoder gets
         back what it sent, and the seed moves at least cp times as many bytes."""
         p = self.plan
-        bound = p.lower_bound()
+        bound = p.needed_rows()
         return (p.received("forward") == bound
-                and all(p.sent("backward")[r] == bound[r] for r in self.dl.dst)
+                and all(p.sent("backward")[r] == bound[r] for r in self.dl.dst_ranks)
                 and all(p.received("backward")[r] == p.sent("forward")[r]
-                        for r in self.dl.src)
+                        for r in self.dl.src_ranks)
                 and all(self.traffic_ratio(d) >= self.dl.cp
                         for d in ("forward", "backward")))
 
@@ -525,13 +532,16 @@ class DeliveryRow:
 def measure_delivery(batch: Batch, world: int, cp: int) -> DeliveryRow:
     replicas = world // 2 // cp if world <= WHOLE_WORLD_UP_TO else 1
     dl = delivery(batch, world, cp, replicas)
-    return DeliveryRow(dl, plan_rows(dl.src, dl.dst, replicas * dl.rows))
+    # the planner's one entry point, as for every other table
+    p = plan(dl.src, dl.dst, {"t": dl.counts, "h": HIDDEN}, ITEMSIZE)
+    assert isinstance(p, RowPlan) and p.row_bytes == ROW_BYTES
+    return DeliveryRow(dl, p)
 
 
 def delivery_table(rows: list[DeliveryRow]) -> str:
     out = []
     for r in rows:
-        fwd_s, bwd_s = index_plan_seconds(r.plan)
+        fwd_s, bwd_s = row_plan_seconds(r.plan)
         seed_fwd_s, seed_bwd_s = seed_seconds(r.dl)
         seed = r.seed
         ratio = (f"{r.traffic_ratio('forward'):.2f} | {r.traffic_ratio('backward'):.2f}"
@@ -695,7 +705,7 @@ def report(worlds: tuple[int, ...]) -> tuple[str, list[Row], list[DeliveryRow]]:
     bad = [f"{r.case} N={r.world}" for r in rows if not r.ok]
     print(f"\nmax recv = lower bound on {len(rows) - len(bad)}/{len(rows)} rows"
           + (f"; CHECK: {'; '.join(bad)}" if bad else ""), file=buf)
-    print(f"\nTable 3: image-token delivery, mimo_fx's index-mapped bridge vs the seed "
+    print(f"\nTable 3: image-token delivery, mimo_fx's row plan (a packed destination) vs the seed "
           f"scheme (all image rows to every CP rank, all-reduce over CP back); encoder DP on "
           f"N/2 ranks, LLM CP x DP on the other N/2; per replica {SAMPLES} samples with "
           f"{len(batch.positions)} image rows in {sum(batch.lengths)} tokens (seed "

@@ -124,7 +124,7 @@ def _exchange_rows(rank: int, iters: int) -> list:
     for label, s, h in (("16 KiB", 64, 32), ("1 MiB", 1024, 128)):
         bridge = Redistributor(src, dst, {"h": h})
         x = torch.randn(2, s, h)  # b=8 over dp 4: 2 samples per rank
-        fwd = bridge._programs_at((("b", 8), ("h", h), ("s", s)))[0]
+        fwd = bridge.sizing.programs_at((("b", 8), ("h", h), ("s", s)))[0]
         times = timed({
             "given": lambda x=x, s=s, b=bridge: b(x, b=8, s=s),
             "learned": lambda x=x, b=bridge: b(x),

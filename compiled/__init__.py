@@ -15,7 +15,6 @@ call itself only issues functional collectives and traces under ``torch.compile`
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
@@ -23,35 +22,53 @@ from mimo_fx.plan import size_arguments
 
 from .executor import CompiledExecutor
 from .groups import live_groups
-from .redistributor import Redistributor
+from .guard import raise_now
+from .lease import require_world
+from .options import OPTION_NAMES, Options
+from .redistributor import Redistributor, backward
+from .rows import key_of
 
 __all__ = ["Redistributor", "prepare", "redistribute", "destroy", "live_groups",
-           "CompiledExecutor", "OPTIONS"]
+           "CompiledExecutor", "OPTIONS", "Options", "backward"]
 
-OPTIONS = ("sizes", "grad_partial", "comm_dtype", "checked", "dtype")
+OPTIONS = ("sizes", *OPTION_NAMES)
 
+# the one cache of bridges: mimo_fx.redistribute, prepare, DTensor interop and the SPMD
+# process world all take their bridges from here
 _PREPARED: dict[tuple, Redistributor] = {}
 
 
-def _key(src, dst, dtype, grad_partial, comm_dtype, checked):
-    # no sizes: the facade's bridges take them per call (under torch.compile they may be
-    # symbolic, so they could not be a key)
-    return (src, dst, dtype, tuple(grad_partial), comm_dtype, checked)
-
-
 def prepare(src: Layout, dst: Layout, sizes: dict | None = None, dtype=torch.float32, *,
-            grad_partial=(), comm_dtype=None, checked: bool = False) -> Redistributor:
+            grad_partial=(), comm_dtype=None, checked: bool = False,
+            device=None) -> Redistributor:
     """Create (once) the bridge :func:`redistribute` uses for these layouts and options.
     ``sizes`` pins those dims (calls then give them or nothing, and exchange nothing for
     them); the others are given or learned per call."""
-    key = _key(src, dst, dtype, grad_partial, comm_dtype, checked)
+    opts = Options(dtype, grad_partial, comm_dtype, checked, device)
+    return bridge_for(src, dst, opts, sizes)
+
+
+def bridge_for(src: Layout, dst: Layout, opts: Options, sizes: dict | None = None,
+               where: str = "prepare") -> Redistributor:
+    """The cached bridge for ``src -> dst`` with ``opts``, built on first use; ``sizes``
+    pins dims (a bridge already built with other pinned sizes is an error)."""
+    # no sizes in the key: the cached bridges take them per call (under torch.compile
+    # they may be symbolic, so they could not be a key); a packed layout's batch neither:
+    # its structure is the key
+    key = (key_of(src), key_of(dst), opts)
     bridge = _PREPARED.get(key)
-    if bridge is None:
+    if bridge is None or not bridge.lease.live:
+        if torch.compiler.is_compiling():
+            raise_now(
+                f"{where} under torch.compile: its process groups must be prepared first: "
+                f"call mimo_fx.compiled.prepare(src, dst, dtype=...) on every rank before "
+                f"compiling (or use a Redistributor); src {src.describe()!r}, dst "
+                f"{dst.describe()!r}")
         bridge = _PREPARED[key] = Redistributor(
-            src, dst, sizes, dtype, grad_partial=grad_partial, comm_dtype=comm_dtype,
-            checked=checked)
-    elif sizes and size_arguments(src, dst, sizes, {}, "prepare", OPTIONS) != bridge.fixed:
-        raise MimoFxError(f"prepare: {src.describe()!r} -> {dst.describe()!r} is already "
+            src, dst, sizes, opts.dtype, grad_partial=opts.grad_partial,
+            comm_dtype=opts.comm_dtype, checked=opts.checked, device=opts.device)
+    elif sizes and size_arguments(src, dst, sizes, {}, where, OPTIONS) != bridge.fixed:
+        raise MimoFxError(f"{where}: {src.describe()!r} -> {dst.describe()!r} is already "
                           f"prepared with sizes {bridge.fixed}, not {sizes}; call "
                           f"mimo_fx.compiled.destroy() first, or use a Redistributor")
     return bridge
@@ -68,22 +85,13 @@ def redistribute(x: torch.Tensor | None, src: Layout, dst: Layout, *, sizes=None
     neither an option nor a dim raises.
     """
     given = size_arguments(src, dst, sizes, dim_sizes, "redistribute", OPTIONS)
-    if not dist.is_initialized():
-        raise MimoFxError("redistribute on a single tensor needs torch.distributed "
-                          "initialised; for a whole world in one process pass a dict "
-                          "{rank: tensor} (reference backend)")
+    require_world("redistribute on a single tensor")
     if dtype is None:
         dtype = x.dtype if isinstance(x, torch.Tensor) else torch.float32
-    key = _key(src, dst, dtype, grad_partial, comm_dtype, checked)
-    bridge = _PREPARED.get(key)
-    if bridge is None:
-        if torch.compiler.is_compiling():
-            raise MimoFxError(
-                "redistribute under torch.compile needs its process groups prepared first: "
-                "call mimo_fx.compiled.prepare(src, dst, dtype=...) on every rank before "
-                "compiling (or use a Redistributor)")
-        bridge = prepare(src, dst, None, dtype, grad_partial=grad_partial,
-                         comm_dtype=comm_dtype, checked=checked)
+    opts = Options(dtype, grad_partial, comm_dtype, checked)
+    bridge = bridge_for(src, dst, opts, where="redistribute")
+    if bridge.rows:
+        return bridge(x, given, src=src, dst=dst)
     return bridge(x, given)
 
 

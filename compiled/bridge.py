@@ -53,16 +53,13 @@ from mimo_fx.errors import MimoFxError
 
 from .comm import Comm
 from .executor import CompiledExecutor
-from .groups import acquire, check_timeout, process_group, release
+from .lease import Lease, keep_alive
 from .p2p import CHECKS, SIZES, Channel, Routed
-from .redistributor import Redistributor, cause
+from .redistributor import Redistributor, placeholder
+from .timeouts import cause, wait_time
 
 __all__ = ["Bridge"]
 
-_BUILT = [0]  # bridges built so far: the same count on every rank names their channels
-# messages of failed bridges still in flight: a message's buffer and work must outlive
-# its bridge until it is through (dropping them can cancel it under the peer)
-_ORPHANS: list = []
 
 
 class Bridge(Redistributor):
@@ -73,25 +70,27 @@ class Bridge(Redistributor):
         self._in_flight: deque[dict] = deque()  # sizes of forwards awaiting their backward
         self._deferred: list = []  # (gather, check): rows checked when they arrive
         self._failed = False
-        _BUILT[0] += 1
         src, dst = tuple(self.src.grid.ranks), tuple(self.dst.grid.ranks)
         # one channel per direction, of this bridge alone (two bridges between the same
         # grids, as interleaved schedules have, never pair each other's messages)
-        self._tags = ((f"p2p{_BUILT[0]}:forward", f"p2p{_BUILT[0]}:backward")
+        self._tags = ((f"{self.name} p2p>", f"{self.name} p2p<")
                       if set(src) != set(dst) else ())
-        for tag in self._tags:
-            acquire([self.union], tag)
+        self._channel_lease = Lease(self.lease.what + " (its channels)", (),
+                                    [(tag, self.union) for tag in self._tags])
         self._channels: tuple[Channel, ...] = ()
         self._pipe: tuple[CompiledExecutor, ...] = ()
         if self.involved:
-            local = self.executor.comm
+            local = (self.executor.comms["forward"], self.executor.comms["backward"])
             if self._tags:
-                self._channels = tuple(Channel(process_group(self.union, t), self.rank)
-                                       for t in self._tags)
-                comms: list[Comm] = [Routed(local, c, src, dst) for c in self._channels]
+                self._channels = tuple(
+                    Channel(self._channel_lease.process_group(self.union, t), self.rank)
+                    for t in self._tags)
+                comms: list[Comm] = [Routed(loc, c, src, dst)
+                                     for loc, c in zip(local, self._channels)]
             else:  # one grid: a collective pairs calls its ranks all issue alike
-                comms = [local, local]
-            self._pipe = tuple(CompiledExecutor(c, self.executor.comm_dtype) for c in comms)
+                comms = list(local)
+            self._pipe = tuple(CompiledExecutor(c, self.executor.comm_dtype, name=self.name)
+                               for c in comms)
 
     # -- one direction ------------------------------------------------------------------
     def _gather_rows(self, direction: int, row: torch.Tensor, kind: int):
@@ -123,13 +122,13 @@ class Bridge(Redistributor):
     def _waited(self, wait: Callable, kind: int):
         try:
             return wait()
-        except RuntimeError as err:  # a timeout, or a peer gone
+        except (RuntimeError, MimoFxError) as err:  # a timeout, or a peer gone
             raise MimoFxError(
                 self._context() + f"rank {self.rank} waited in vain for the other ranks' "
                 f"{'size rows' if kind == SIZES else 'check headers'} "
                 f"({cause(err)}); every rank "
                 f"of both grids makes the same calls in the same order "
-                f"(MIMO_FX_CHECK_TIMEOUT={check_timeout():g} s)") from None
+                f"({wait_time()})") from None
 
     def _later(self, rest, check: Callable[[torch.Tensor], None]) -> None:
         """Check the rest of a gather's rows when they have arrived."""
@@ -151,7 +150,8 @@ class Bridge(Redistributor):
     def _run(self, direction: int, program, tensor: torch.Tensor) -> torch.Tensor:
         try:
             with torch.no_grad():
-                (out,) = self._pipe[direction].run(program, (tensor,))
+                (out,) = self._pipe[direction].run(program, (tensor,),
+                                                   direction=("forward", "backward")[direction])
         except RuntimeError as err:
             raise MimoFxError(
                 self._context() + f"rank {self.rank}: the {('forward', 'backward')[direction]} "
@@ -162,33 +162,44 @@ class Bridge(Redistributor):
     def _forward(self, x: torch.Tensor | None, sizes: dict | None) -> Iterator:
         """A forward in two steps: post its rows (``yield``), then validate ``x`` (this
         rank's src piece or None) and run the forward program (``yield`` the result)."""
-        given = self._given(sizes, {})
+        sizing, guard = self.sizing, self.guard
+        given = sizing.given(sizes, {})
         full = {**self.fixed, **given}
-        missing = [d for d in self.free if d not in given]
+        missing = sizing.missing(given)
         if missing:  # the size rows also check the call (learn_sizes)
-            rows, now, rest = self._gather_rows(0, self._size_row(x), SIZES)
+            rows, now, rest = self._gather_rows(0, sizing.size_row(x, self.device), SIZES)
         elif self.checked:
-            fwd = self._programs(full, frozenset())[0]
-            header, print_ = self._header(x, "src", fwd.src_shape, full)
+            fwd = sizing.programs(full, frozenset())[0]
+            header, print_ = guard.header(x, "src", fwd.src_shape, full, self._print(full))
             rows, now, rest = self._gather_rows(0, header, CHECKS)
         yield None
         if missing:
             known = full
-            full = self._sizes_from(rows(), known, now)
+            full = sizing.sizes_from(rows(), known, now)
             self._later(rest, lambda got: self._same_sizes(got, known, full))
-        fwd = self._programs(full, frozenset(missing))[0]
+        fwd = sizing.programs(full, frozenset(missing))[0]
         if self.checked and not missing:
-            self._verdict(rows(), "src", print_, full, now)
-            self._later(rest, lambda got: self._verdict(got, "src", print_, full))
+            guard.verdict(rows(), "src", print_, full, now)
+            self._later(rest, lambda got: guard.verdict(got, "src", print_, full))
         else:
-            self._guard_local(x, "src", fwd.src_shape, full)
+            guard.local(x, "src", fwd.src_shape, full)
         if self.free:
             self._in_flight.append(full)
-        x = self._placeholder(len(self.src.local_dims)) if x is None else x.detach()
+        x = self._placeholder(self.src) if x is None else x.detach()
         yield self._run(0, fwd, x)
 
+    def _print(self, full: dict, side: str = "src") -> int | None:
+        """The fingerprint a checked call of ``side`` at ``full`` sizes carries."""
+        from .guard import fingerprint
+        from .sizing import _size_key
+
+        return None if not self.free else fingerprint(side, *self.guard.key, _size_key(full))
+
+    def _placeholder(self, layout) -> torch.Tensor:
+        return placeholder(len(layout.local_dims), self.dtype, self.device)
+
     def _same_sizes(self, rows: torch.Tensor, known: dict, learned: dict) -> None:
-        if self._sizes_from(rows, known) != learned:  # (its own errors name the rank)
+        if self.sizing.sizes_from(rows, known) != learned:  # (its own errors name the rank)
             raise MimoFxError(self._context() + "the receivers' size rows disagree with the "
                               "sizes the senders learned")
 
@@ -206,27 +217,28 @@ class Bridge(Redistributor):
         full = self._in_flight.popleft() if self.free else self.fixed
         if self.checked and posted is None:  # its forward ran in this very call
             posted = self._backward_header(grad, full)
-        bwd = self._programs(full, frozenset())[1]
+        bwd = self.sizing.programs(full, frozenset())[1]
         if posted is not None:
             (rows, now, rest), print_ = posted
-            self._verdict(rows(), "dst", print_, full, now)
-            self._later(rest, lambda got: self._verdict(got, "dst", print_, full))
+            self.guard.verdict(rows(), "dst", print_, full, now)
+            self._later(rest, lambda got: self.guard.verdict(got, "dst", print_, full))
         else:
-            self._guard_local(grad, "dst", bwd.src_shape, full)
-        grad = self._placeholder(len(self.dst.local_dims)) if grad is None else grad.detach()
+            self.guard.local(grad, "dst", bwd.src_shape, full)
+        grad = self._placeholder(self.dst) if grad is None else grad.detach()
         yield self._run(1, bwd, grad)
 
     def _backward_header(self, grad, full: dict | None = None) -> tuple:
         if full is None:
             full = self._in_flight[0] if self.free else self.fixed
-        bwd = self._programs(full, frozenset())[1]
-        header, print_ = self._header(grad, "dst", bwd.src_shape, full)
+        bwd = self.sizing.programs(full, frozenset())[1]
+        header, print_ = self.guard.header(grad, "dst", bwd.src_shape, full,
+                                           self._print(full, "dst"))
         return self._gather_rows(1, header, CHECKS), print_
 
     def _calls(self, *halves: tuple) -> list[torch.Tensor | None]:
         """Run ``("forward", x, sizes)`` / ``("backward", grad)`` halves in order, every
         half's rows posted before any half waits."""
-        self._assert_live()
+        self.lease.check()
         if torch.compiler.is_compiling():
             raise MimoFxError(self._context() + "the imperative send/recv calls run eagerly; "
                               "compile the stages' compute around them, or call the bridge "
@@ -295,13 +307,12 @@ class Bridge(Redistributor):
         call of it failed: then its channels are left alive with what it sent, since
         destroying them would wait for receivers that will never come). Call it on
         every rank."""
-        if self._live:
+        if self.lease.live:
             if not self._failed:
                 self.flush()
             for channel in self._channels:
-                _ORPHANS.extend(channel.in_flight())
-            _ORPHANS[:] = [(w, t) for w, t in _ORPHANS if not w.is_completed()]
-            for tag in self._tags:
-                release([self.union], tag, abandon=self._failed)
+                for work, buffer in channel.in_flight():
+                    keep_alive((work, buffer), work.is_completed)
+            self._channel_lease.release(abandon=self._failed)
             self._channels = ()
         super().destroy()

@@ -9,14 +9,16 @@ that Dynamo traces without a graph break.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mimo_fx.symbolic import Expr
 
+from . import timeouts
 from .comm import Comm
-from .lowering import Cat, Node, Op, Program, View
+from .lowering import AddAt, Cat, Node, Op, Program, Take, View
 
 __all__ = ["CompiledExecutor", "issue", "Numbers"]
 
@@ -44,26 +46,44 @@ class Numbers:
 PLAIN = Numbers()
 
 
-def _build(entries: list, node: Node, num: Numbers) -> torch.Tensor:
+def _build(entries: list, node: Node, num: Numbers, inputs: tuple = ()) -> torch.Tensor:
     if isinstance(node, View):
         t = entries[node.entry]
         return t if node.index is None else t[num.index(node.index)]
     if isinstance(node, Cat):
-        return torch.cat([_build(entries, part, num) for part in node.parts], node.dim)
+        return torch.cat([_build(entries, part, num, inputs) for part in node.parts], node.dim)
+    if isinstance(node, Take):
+        rows = _build(entries, node.node, num, inputs)
+        if _none(rows):  # (its index is empty too: a compiler cannot index no rows)
+            return rows
+        return rows.index_select(0, inputs[node.index])
+    if isinstance(node, AddAt):
+        rows = _build(entries, node.node, num, inputs)
+        out = rows.new_zeros(num.all(node.shape))
+        if _none(out):  # nothing to add to (a rank off that side): no op a compiler sees
+            return out
+        return out.index_add_(0, inputs[node.index], rows)
     out = entries[0].new_empty(num.all(node.shape))
     for entry, src, dst in node.writes:
         out[num.index(dst)] = entries[entry][num.index(src)]
     return out
 
 
+def _none(t: torch.Tensor) -> bool:
+    """Whether ``t`` has no rows, known while tracing (a static 0)."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return guard_or_false(t.shape[0] == 0)
+
+
 def _pad(entries: list, item, num: Numbers) -> torch.Tensor:
     return entries[0].new_zeros(num(item))
 
 
-def _pack(entries: list, op: Op, wire, num: Numbers) -> torch.Tensor:
+def _pack(entries: list, op: Op, wire, num: Numbers, inputs: tuple = ()) -> torch.Tensor:
     items = op.pack
     if len(items) == 1 and not isinstance(items[0], int | Expr):
-        flat = _build(entries, items[0], num).reshape(-1)
+        flat = _build(entries, items[0], num, inputs).reshape(-1)
     elif op.stack:
         flat = torch.stack([_build(entries, item, num) for item in items
                             if not isinstance(item, int | Expr)]).view(-1)
@@ -75,11 +95,12 @@ def _pack(entries: list, op: Op, wire, num: Numbers) -> torch.Tensor:
     return flat.to(wire) if wire is not None else flat
 
 
-def issue(comm: Comm, op: Op, flat: torch.Tensor, num: Numbers = PLAIN) -> torch.Tensor:
-    """Run ``op``'s collective on its packed input through ``comm``."""
-    if op.kind == "all_to_all":
-        return comm.all_to_all(flat, num.all(op.out_splits), num.all(op.in_splits), op.ranks)
-    return getattr(comm, op.kind)(flat, op.ranks)
+def issue(comm: Comm, op: Op, flat: torch.Tensor, num: Numbers = PLAIN,
+          site: str = "") -> torch.Tensor:
+    """Run ``op``'s collective on its packed input through ``comm`` (whose table,
+    keyed by the op's kind, says how)."""
+    return comm.collective(op.kind, flat, op.ranks, num.all(op.out_splits),
+                           num.all(op.in_splits), site)
 
 
 def _unpacked(flat: torch.Tensor, op: Op, num: Numbers) -> list:
@@ -101,17 +122,31 @@ class CompiledExecutor:
 
     ``local`` is the rank's src piece, or an empty placeholder on ranks holding none;
     the result is the dst piece, or an empty tensor where it holds none. With
-    ``comm_dtype`` data moves in that dtype and comes back in the caller's.
+    ``comm_dtype`` data moves in that dtype and comes back in the caller's. A bridge's
+    executor has a comm per direction (``backward_comm``: its backward's own groups, so
+    a forward can never pair with a backward) and names its collectives (``name``, see
+    :mod:`.timeouts`).
     """
 
-    def __init__(self, comm: Comm, comm_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, comm: Comm, comm_dtype: torch.dtype | None = None,
+                 backward_comm: Comm | None = None, name: str = "") -> None:
         self.comm = comm
+        self.comms = {"forward": comm, "backward": backward_comm or comm}
         self.comm_dtype = comm_dtype
+        self.name = name
+        # checked mode's check of a backward call: (cotangent, program, numbers) -> ok
+        self.check: Callable[..., bool] | None = None
 
-    def run(self, program: Program, tensors: tuple[torch.Tensor, ...], env: dict | None = None):
-        """``program`` on ``(local,)``; a template program's numbers at ``env``."""
+    def run(self, program: Program, tensors: tuple[torch.Tensor, ...], env: dict | None = None,
+            inputs: tuple[torch.Tensor, ...] = (), *, direction: str = "forward"
+            ) -> tuple[torch.Tensor, ...]:
+        """``program`` on ``(local,)``; a template program's numbers at ``env``; a row
+        program's index vectors are ``inputs``; ``direction`` picks the comm."""
         (local,) = tensors
         num = PLAIN if env is None else Numbers(env)
+        if self.check is not None and direction == "backward" \
+                and not self.check(local, program, num):
+            return (local.new_zeros((0,) * program.out_ndim),)  # (raises when it runs)
         dtype = local.dtype
         canon = local
         if program.src_expand is not None:
@@ -120,14 +155,16 @@ class CompiledExecutor:
             canon = canon.permute(program.src_perm)
         entries: list[torch.Tensor | None] = [canon]
         wire = self.comm_dtype
-        for op in program.ops:
-            flat = issue(self.comm, op, _pack(entries, op, wire, num), num)
+        comm = self.comms[direction]
+        for i, op in enumerate(program.ops):
+            where = timeouts.site(self.name, direction, i, op.ranks) if self.name else ""
+            flat = issue(comm, op, _pack(entries, op, wire, num, inputs), num, where)
             if wire is not None:
                 flat = flat.to(dtype)
             entries += _unpacked(flat, op, num)
         if program.out is None:
             return (local.new_empty((0,) * program.out_ndim),)
-        out = _build(entries, program.out, num)
+        out = _build(entries, program.out, num, inputs)
         if program.out_clone:
             out = out.clone()
         if program.out_perm is not None:

@@ -9,8 +9,8 @@ destroys a group when its last user is gone.
 A group is named by its ranks and a *tag*: data groups have tag ``""``; every bridge
 also has a check group over the union of its grids (tag ``"check"``; created whether or
 not the bridge is checked, so ranks that disagree on ``checked=`` still create the same
-groups), with the timeout :func:`check_timeout` (seconds; environment variable
-``MIMO_FX_CHECK_TIMEOUT``, read when the group is created). A checked call's exchange
+groups), with the timeout of :mod:`.timeouts` (seconds; environment variable
+``MIMO_FX_TIMEOUT``, read when the group is created). A checked call's exchange
 runs there, so it can never pair with a data collective.
 
 Two lifecycle rules keep gloo's connection setup safe over many build/destroy cycles:
@@ -22,24 +22,24 @@ process group it was built in is gone.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from mimo_fx.errors import MimoFxError
+from mimo_fx.grid import mesh_groups
 
 __all__ = ["acquire", "release", "group_name", "process_group", "live_groups", "world_token",
-           "check_world", "CHECK", "check_timeout"]
+           "check_world", "CHECK", "created", "reused"]
 
 CHECK = "check"  # the tag of check groups
 
 Ranks = tuple[int, ...]
 _GROUPS: dict[tuple[str, Ranks], list] = {}  # (tag, ranks) -> [ProcessGroup, references]
-_RETIRED: list = []                            # destroyed, kept until the next new_group
-_ABANDONED: list = []                          # forgotten with sends in flight, never destroyed
 _WORLD: list = [None]                          # the default group the registry serves
+_CREATED = [0]                                 # process groups created so far
+_REUSED = [0]                                  # mesh dims' groups taken instead
 
 
 def world_token():
@@ -56,33 +56,57 @@ def check_world(token, what: str = "this bridge") -> None:
             f"init_process_group")
 
 
-def _sync_world() -> None:
+# what must outlive its owner until it is done: (object, done?) pairs
+_IN_FLIGHT: list[tuple[object, Callable[[], bool]]] = []
+
+
+def keep_alive(obj: object, done: Callable[[], bool] = lambda: False) -> None:
+    """Keep ``obj`` referenced until ``done()`` (checked whenever something is kept or a
+    group is created); forgotten when the world it lives in is destroyed."""
+    _IN_FLIGHT.append((obj, done))
+    _purge()
+
+
+def _purge() -> None:
+    _IN_FLIGHT[:] = [(o, d) for o, d in _IN_FLIGHT if not d()]
+
+
+def require_world(what: str) -> int:
+    """This process's rank; raises (the one message for it) unless torch.distributed is
+    initialised."""
     if not dist.is_initialized():
-        raise MimoFxError("the compiled backend needs torch.distributed initialised "
-                          "(torch.distributed.init_process_group) before groups are prepared")
+        raise MimoFxError(f"{what} needs torch.distributed initialised first: call "
+                          f"torch.distributed.init_process_group on every rank (for a "
+                          f"whole world in one process, pass a dict {{rank: tensor}} to "
+                          f"mimo_fx.redistribute: the reference backend)")
+    return dist.get_rank()
+
+
+def _sync_world() -> None:
+    require_world("preparing process groups")
     if _WORLD[0] is not dist.group.WORLD:  # a new world: old groups died with the old one
         _GROUPS.clear()
-        _RETIRED.clear()
+        _IN_FLIGHT.clear()
         _WORLD[0] = dist.group.WORLD
 
 
-def check_timeout() -> float:
-    """Seconds a checked call waits for every rank's header (``MIMO_FX_CHECK_TIMEOUT``)."""
-    text = os.environ.get("MIMO_FX_CHECK_TIMEOUT", "300")
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise MimoFxError(f"MIMO_FX_CHECK_TIMEOUT={text!r} must be a positive number of "
-                          f"seconds")
-    return seconds
+def created() -> int:
+    """How many process groups the registry has created so far (on NCCL each costs
+    device memory: a lease reports its own)."""
+    return _CREATED[0]
 
 
-def _timeout(tag: str) -> timedelta | None:
-    # check groups, and a pipelined bridge's channels (tags "p2p..."): a peer that never
-    # comes is an error after MIMO_FX_CHECK_TIMEOUT, not a wait of gloo's default 30 min
-    return timedelta(seconds=check_timeout()) if tag == CHECK or tag.startswith("p2p") else None
+def reused() -> int:
+    """How many times the registry took a mesh dim's own group instead of creating one."""
+    return _REUSED[0]
+
+
+def _timeout(tag: str) -> timedelta:
+    # every group mimo_fx creates: a peer that never comes is an error after
+    # MIMO_FX_TIMEOUT, not a wait of gloo's (or NCCL's) default 30 min
+    from .timeouts import timeout_seconds
+
+    return timedelta(seconds=timeout_seconds())
 
 
 def acquire(groups: Iterable[Ranks], tag: str = "") -> None:
@@ -97,12 +121,17 @@ def acquire(groups: Iterable[Ranks], tag: str = "") -> None:
         if entry is not None:
             entry[1] += 1
             continue
-        if len(ranks) == world and not tag:
+        mesh = mesh_groups(ranks) if tag != CHECK and "p2p" not in tag else None
+        if mesh is not None:  # a mesh dim's own group: used, never created nor destroyed
+            pg = mesh[0].get_group(mesh[1]) if dist.get_rank() in ranks else None
+            _REUSED[0] += 1
+        elif len(ranks) == world and not tag:
             pg = dist.group.WORLD
         else:
             pg = dist.new_group(list(ranks), timeout=_timeout(tag))
-            _RETIRED.clear()
-        _GROUPS[tag, ranks] = [pg, 1]
+            _CREATED[0] += 1
+            _retired_done[0] = True  # the retired groups' peers are through connecting
+        _GROUPS[tag, ranks] = [pg, 1, mesh is not None]
 
 
 def release(groups: Iterable[Ranks], tag: str = "", abandon: bool = False) -> None:
@@ -115,13 +144,20 @@ def release(groups: Iterable[Ranks], tag: str = "", abandon: bool = False) -> No
             continue
         entry[1] -= 1
         if entry[1] == 0:
-            pg = _GROUPS.pop((tag, ranks))[0]
+            pg, _, reused = _GROUPS.pop((tag, ranks))
+            if reused:
+                continue  # the mesh's: it lives as long as the mesh
             if abandon:
-                _ABANDONED.append(pg)
+                keep_alive(pg)  # never destroyed: a peer may still take its messages
             elif pg is not dist.group.WORLD and _WORLD[0] is world_token() is not None:
                 if isinstance(pg, dist.ProcessGroup):  # not on non-members
                     dist.destroy_process_group(pg)
-                _RETIRED.append(pg)
+                # referenced until the next group is created (see the module docstring)
+                _retired_done[0] = False
+                keep_alive(pg, lambda: _retired_done[0])
+
+
+_retired_done = [True]  # set when a group is created: retired groups may then go
 
 
 def group_name(ranks: Ranks, tag: str = "") -> str:

@@ -11,13 +11,13 @@ same rows (uneven splits exactly, a ragged dim's counts one per shard) and raise
 same error if a row is wrong. Under ``torch.compile`` the rows become unbacked SymInts
 (``.tolist()``, with ``capture_scalar_outputs``) and the checks run-time asserts.
 
->>> Row.width(3)
-7
+>>> Row.width(3) == HEADER_LEN
+True
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,19 +26,19 @@ from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
 from mimo_fx.local import infer_sizes
 
-from .guard import MAGIC, calls_differ, dtype_code
+from .guard import (
+    HEADER_LEN,
+    MAGIC,
+    MAGIC_SIZES,
+    MAX_DIMS,
+    calls_differ,
+    dtype_code,
+    int_tensor,
+)
 
 __all__ = ["Row", "learn_sizes", "int_tensor"]
 
 HEADER = 4  # marker, fingerprint, 1 + the tensor's dims (0: None), its dtype
-
-
-def int_tensor(values: Sequence[Any], device) -> torch.Tensor:
-    """An int64 vector of ``values`` (ints or SymInts). Built as a sum with a zeros
-    tensor: a tensor made from constants alone would be constant-folded by the
-    compiler, which would then run the collective it feeds while tracing."""
-    const = torch.tensor(list(values), dtype=torch.int64, device=device)
-    return torch.zeros(len(values), dtype=torch.int64, device=device) + const
 
 
 class Row:
@@ -46,14 +46,19 @@ class Row:
 
     @staticmethod
     def width(ndim: int) -> int:
-        return HEADER + ndim
+        """A row's length: a check header's (so a size exchange that meets a check can
+        never be an exchange of unequal sizes, which gloo aborts on)."""
+        assert ndim <= MAX_DIMS, ndim
+        return HEADER_LEN
 
     @staticmethod
     def encode(x: torch.Tensor | None, ndim: int, print_: int) -> list[Any]:
         if not isinstance(x, torch.Tensor):
-            return [MAGIC, print_, 0, 0] + [0] * ndim
-        shape = list(x.shape)[:ndim] + [0] * max(0, ndim - x.dim())
-        return [MAGIC, print_, 1 + x.dim(), dtype_code(x.dtype), *shape]
+            row = [MAGIC_SIZES, print_, 0, 0] + [0] * ndim
+        else:
+            shape = list(x.shape)[:ndim] + [0] * max(0, ndim - x.dim())
+            row = [MAGIC_SIZES, print_, 1 + x.dim(), dtype_code(x.dtype), *shape]
+        return row + [0] * (HEADER_LEN - len(row))
 
 
 def _eager_check(ok, message) -> None:
@@ -82,19 +87,50 @@ def learn_sizes(rows, ranks: tuple[int, ...], src: Layout, given: dict, print_: 
     shapes = {r: tuple(row[HEADER:HEADER + ndim]) for r, row in zip(ranks, rows)
               if src.holds(r)}
     try:
-        return infer_sizes(src, shapes, dict(given), check)
+        sizes = infer_sizes(src, shapes, dict(given), check)
     except MimoFxError as err:
         raise MimoFxError(context + str(err)) from None
+    if not compiling:  # every holder's shape at the sizes, seen by every rank
+        wrong = _wrong_shapes(src, shapes, sizes)
+        if wrong:
+            raise MimoFxError(context + "the size exchange found:\n  " + "\n  ".join(wrong))
+    return sizes
+
+
+def _wrong_shapes(src: Layout, shapes: dict, sizes: dict) -> list[str]:
+    """Holders whose local shape is not their piece's at ``sizes`` (a size given in the
+    call that a holder's tensor contradicts)."""
+    from mimo_fx.local import local_shape
+    from mimo_fx.regions import Tiling
+
+    try:
+        tiling = Tiling.of(src, src.dims, sizes)
+    except MimoFxError as err:
+        return [str(err)]
+    out = []
+    text = ", ".join(f"{d}={sizes[d]}" for d in src.dims)
+    for rank, shape in shapes.items():
+        want = local_shape(src, tiling, rank)
+        if tuple(shape) != tuple(want):
+            out.append(f"rank {rank}: local tensor has shape {tuple(shape)} but src "
+                       f"{src.describe()!r} gives it shape {want} at {text}; pass its piece, "
+                       f"or the sizes it has")
+    return out
 
 
 def _row_problems(rows, ranks, src: Layout, print_: int, ndim: int,
                   dtype: torch.dtype) -> list[str]:
-    split = calls_differ(rows, ranks, "layouts, dtype or options")
+    split = calls_differ(rows, ranks, "layouts, dtype, options, or the sizes or batch a "
+                         "call gives", MAGIC_SIZES)
     out = [split] if split else []
     for rank, row in zip(ranks, rows):
         magic, _, dims, code = row[:HEADER]
         shape = tuple(row[HEADER:HEADER + ndim])
-        if magic != MAGIC:
+        if magic == MAGIC:
+            out.append(f"rank {rank} sent a check header instead of a size row: it gave "
+                       f"every size (then no exchange runs) and checks its call; every rank "
+                       f"must give the same set of sizes")
+        elif magic != MAGIC_SIZES:
             out.append(f"rank {rank} sent no size row: it gave every size (then no "
                        f"exchange runs), called another collective, or left; every rank "
                        f"must give the same set of sizes")

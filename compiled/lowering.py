@@ -34,13 +34,24 @@ from typing import Any
 
 from mimo_fx.errors import MimoFxError
 from mimo_fx.local import box_slices
-from mimo_fx.plan import AllReduce, Exchange, Gather, Plan, RankPlan, Reduce, ReduceScatter
+from mimo_fx.plan import (
+    AllReduce,
+    Collective,
+    Exchange,
+    Gather,
+    Plan,
+    RankPlan,
+    Reduce,
+    ReduceScatter,
+    Step,
+    kind_of,
+)
 from mimo_fx.regions import Box, Interval, Tiling, box_volume
 from mimo_fx.sizes import Symbolizer
 from mimo_fx.symbolic import Expr, Undecided, hint, known_ge, smax, smin
 
-__all__ = ["View", "Cat", "Scatter", "Op", "Program", "lower", "coalesce", "at", "evaluator",
-           "symbolic"]
+__all__ = ["View", "Cat", "Scatter", "Take", "AddAt", "Op", "Program", "lower", "lower_rows",
+           "coalesce", "at", "evaluator", "symbolic", "row_variables"]
 
 Block = tuple[tuple[Interval, ...], ...]  # per dim, intervals in storage order
 
@@ -69,7 +80,26 @@ class Scatter:
     writes: tuple[tuple[int, tuple[slice, ...], tuple[slice, ...]], ...]
 
 
-Node = View | Cat | Scatter
+@dataclass(frozen=True)
+class Take:
+    """``node``'s rows at program input ``index`` (an int64 vector): ``index_select``
+    along the first dim (row programs, :func:`lower_rows`)."""
+
+    node: Node
+    index: int
+
+
+@dataclass(frozen=True)
+class AddAt:
+    """A zero tensor of ``shape`` with ``node``'s rows added at the rows program input
+    ``index`` names (``index_add`` along the first dim)."""
+
+    shape: tuple
+    index: int
+    node: Node
+
+
+Node = View | Cat | Scatter | Take | AddAt
 
 
 @dataclass(frozen=True)
@@ -83,7 +113,7 @@ class Op:
     is the packed input's length.
     """
 
-    kind: str
+    kind: Collective
     ranks: tuple[int, ...]
     pack: tuple[Node | int, ...]
     stack: bool
@@ -353,10 +383,28 @@ def lower(plan: Plan | RankPlan, rank: int, sym: Symbolizer | None = None) -> Pr
                    len(plan.dst.local_dims), src_shape)
 
 
-def _lower_step(step, rank: int, res: _Resolver) -> Op | None:
-    return _LOWER[type(step)](step, rank, res)
+# one lowering function per step kind, registered with @_lowers(kind)
+_LOWER: dict[Collective, Callable[[Any, int, _Resolver], Op | None]] = {}
 
 
+def _lowers(kind: Collective):
+    def register(fn):
+        assert kind not in _LOWER, f"{kind.value} is lowered twice"
+        _LOWER[kind] = fn
+        return fn
+    return register
+
+
+def _lower_step(step: Step, rank: int, res: _Resolver) -> Op | None:
+    kind = kind_of(step)
+    if kind not in _LOWER:
+        raise MimoFxError(f"no lowering for {type(step).__name__} ({kind.value}) steps: "
+                          f"register one with @_lowers(Collective.{kind.name}) in "
+                          f"compiled/lowering.py")
+    return _LOWER[kind](step, rank, res)
+
+
+@_lowers(Collective.ALL_TO_ALL)
 def _lower_exchange(step: Exchange, rank: int, res: _Resolver) -> Op | None:
     if rank not in step.ranks:
         return None
@@ -371,13 +419,14 @@ def _lower_exchange(step: Exchange, rank: int, res: _Resolver) -> Op | None:
     send_blocks = [b for r in step.ranks for b in coalesce(send.get(r, ()))]
     pack, stack, numel = _pack(res, send_blocks)
     blocks, unpack = _unpack(*_laid_out(out_parts))
-    op = Op("all_to_all", step.ranks, tuple(pack), stack, tuple(unpack), numel,
+    op = Op(Collective.ALL_TO_ALL, step.ranks, tuple(pack), stack, tuple(unpack), numel,
             tuple(sum(map(box_volume, send.get(r, ()))) for r in step.ranks),
             tuple(sum(map(box_volume, recv.get(r, ()))) for r in step.ranks))
     res.new(blocks)
     return op
 
 
+@_lowers(Collective.ALL_GATHER)
 def _lower_gather(step: Gather, rank: int, res: _Resolver) -> Op | None:
     g = _member(step.groups, rank)
     if g is None:
@@ -392,7 +441,7 @@ def _lower_gather(step: Gather, rank: int, res: _Resolver) -> Op | None:
         return _gather_as_all_to_all(ranks, parts, volumes, rank, res)
     pack, stack, numel = _pack(res, coalesce(parts[ranks.index(rank)]), chunk)
     blocks, unpack = _unpack(*_laid_out([coalesce(p) for p in parts], chunk))
-    op = Op("all_gather", ranks, tuple(pack), stack, tuple(unpack), numel)
+    op = Op(Collective.ALL_GATHER, ranks, tuple(pack), stack, tuple(unpack), numel)
     res.new(blocks)
     return op
 
@@ -406,7 +455,7 @@ def _gather_as_all_to_all(ranks, parts, volumes, rank: int, res: _Resolver) -> O
     others = [j for j in range(len(ranks)) if j != me]
     pack, _, _ = _pack(res, own * len(others))
     blocks, unpack = _unpack(*_laid_out([coalesce(parts[j]) for j in others]))
-    op = Op("all_to_all", ranks, tuple(pack), False, tuple(unpack),
+    op = Op(Collective.ALL_TO_ALL, ranks, tuple(pack), False, tuple(unpack),
             volumes[me] * len(others),
             tuple(0 if j == me else volumes[me] for j in range(len(ranks))),
             tuple(0 if j == me else volumes[j] for j in range(len(ranks))))
@@ -433,6 +482,7 @@ def _reduce_group(step: Reduce, rank: int, res: _Resolver):
     return g, ranks, parts, chunk
 
 
+@_lowers(Collective.ALL_REDUCE)
 def _lower_all_reduce(step: AllReduce, rank: int, res: _Resolver) -> Op | None:
     if (group := _reduce_group(step, rank, res)) is None:
         return None
@@ -440,11 +490,12 @@ def _lower_all_reduce(step: AllReduce, rank: int, res: _Resolver) -> Op | None:
     region = coalesce(step.regions[g])
     pack, stack, numel = _pack(res, region)
     blocks, unpack = _unpack(*_laid_out([region]))
-    op = Op("all_reduce", ranks, tuple(pack), stack, tuple(unpack), numel)
+    op = Op(Collective.ALL_REDUCE, ranks, tuple(pack), stack, tuple(unpack), numel)
     res.new(blocks, replace_all=True)
     return op
 
 
+@_lowers(Collective.REDUCE_SCATTER)
 def _lower_reduce_scatter(step: ReduceScatter, rank: int, res: _Resolver) -> Op | None:
     if (group := _reduce_group(step, rank, res)) is None:
         return None
@@ -455,15 +506,10 @@ def _lower_reduce_scatter(step: ReduceScatter, rank: int, res: _Resolver) -> Op 
         pack += items
         numel += n
     blocks, unpack = _unpack(*_laid_out([coalesce(parts[ranks.index(rank)])]))
-    op = Op("reduce_scatter", ranks, tuple(pack), False, tuple(unpack), numel)
+    op = Op(Collective.REDUCE_SCATTER, ranks, tuple(pack), False, tuple(unpack), numel)
     res.new(blocks, replace_all=True)
     return op
 
-
-# one lowering function per step class
-_LOWER: dict[type, Callable[[Any, int, _Resolver], Op | None]] = {
-    Exchange: _lower_exchange, Gather: _lower_gather, ReduceScatter: _lower_reduce_scatter,
-    AllReduce: _lower_all_reduce}
 
 
 # -- numbers of a template program ------------------------------------------------------
@@ -480,7 +526,7 @@ def _numbers(obj: Any):
     elif isinstance(obj, tuple):
         for item in obj:
             yield from _numbers(item)
-    elif isinstance(obj, View | Cat | Scatter | Op | Program):
+    elif isinstance(obj, View | Cat | Scatter | Take | AddAt | Op | Program):
         for name in obj.__dataclass_fields__:
             yield from _numbers(getattr(obj, name))
 
@@ -520,7 +566,7 @@ def _walker(obj: Any):
             return _CONST
 
         return _tuple_walker(list(obj), parts)
-    if isinstance(obj, View | Cat | Scatter | Op | Program):
+    if isinstance(obj, View | Cat | Scatter | Take | AddAt | Op | Program):
         fields = [(n, w) for n in obj.__dataclass_fields__
                   if (w := _walker(getattr(obj, n))) is not _CONST]
         if not fields:
@@ -537,3 +583,47 @@ def _tuple_walker(base: list, parts: list) -> Callable[[Any], tuple]:
             out[i] = w(env)
         return tuple(out)
     return tuple_at
+
+
+# -- row programs ------------------------------------------------------------------------
+def row_variables(n_ranks: int, features: tuple[str, ...]) -> tuple[tuple, ...]:
+    """A row program's variables: a route's counts (``("n", k)``, in
+    :attr:`mimo_fx.rows.RankRoute.counts` order) and the feature sizes (``("f", d)``)."""
+    return (*(("n", k) for k in range(4 * n_ranks + 3)), *(("f", d) for d in features))
+
+
+def lower_rows(ranks: tuple[int, ...], features: tuple[str, ...], holds_src: bool = True,
+               holds_dst: bool = True) -> tuple[Program, Program]:
+    """The forward and adjoint programs of every row plan over ``ranks`` (one rank's;
+    the same for every rank and every plan): its numbers are the route's counts and the
+    feature sizes (:func:`row_variables`), its program inputs the route's index vectors
+    (:data:`mimo_fx.rows.ROUTE_INDEX` order). Forward: the rows it sends, one
+    all-to-all, its dst piece from what it received; backward: its counted cotangent
+    rows summed per distinct row, one all-to-all, added into its src gradient. A rank
+    off a side gets an empty result on it (as box programs give)."""
+    p = len(ranks)
+    n: list[Any] = [Expr.var(("n", k), 1) for k in range(4 * p + 3)]
+    fsend, frecv, bsend, brecv = n[:p], n[p:2 * p], n[2 * p:3 * p], n[3 * p:4 * p]
+    n_unique, n_src, n_dst = n[4 * p], n[4 * p + 1], n[4 * p + 2]
+    feat: tuple[Any, ...] = tuple(Expr.var(("f", d), 1) for d in features)
+    width: Any = reduce(lambda a, b: a * b, feat, 1)
+    whole = View(0, None)
+
+    def exchange(pack: Node | None, send: list, recv: list) -> Op:
+        # (a rank off the sending side sends nothing: no op on its empty placeholder,
+        # which a compiler could not index)
+        received: Any = reduce(lambda a, b: a + b, recv)
+        return Op(Collective.ALL_TO_ALL, ranks, (pack,) if pack is not None else (), False,
+                  ((0, (received, *feat)),),
+                  reduce(lambda a, b: a + b, send) * width,
+                  tuple(k * width for k in send), tuple(k * width for k in recv))
+
+    fwd = Program(None, None, (exchange(Take(whole, 0) if holds_src else None, fsend, frecv),),
+                  AddAt((n_dst, *feat), 2, Take(View(1, None), 1)) if holds_dst
+                  else AddAt((0, *feat), 2, View(1, None)),  # empty, of the row width
+                  False, None, None, 1 + len(feat), (n_src, *feat) if holds_src else None)
+    sums = AddAt((n_unique, *feat), 4, Take(whole, 3))
+    bwd = Program(None, None, (exchange(Take(sums, 5) if holds_dst else None, bsend, brecv),),
+                  AddAt((n_src, *feat), 6, View(1, None)) if holds_src else None, False,
+                  None, None, 1 + len(feat), (n_dst, *feat) if holds_dst else None)
+    return fwd, bwd

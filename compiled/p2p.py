@@ -9,8 +9,8 @@ sender, receiver and channel instead, in the order each side posts them; so a
 group of its own, and a gloo tag per kind of message), and forwards pair with forwards,
 backwards with backwards, whatever the interleaving.
 
-A :class:`Channel` offers the four collectives of the comm seam (:class:`~.comm.Comm`)
-built from ``isend``/``irecv``, which is what lets a lowered program run unchanged over
+A :class:`Channel` offers the collectives of the comm seam (:class:`~.comm.Comm`) built
+from ``isend``/``irecv``, which is what lets a lowered program run unchanged over
 it. Receives are waited for before a collective returns (its output is needed); sends
 are not: they complete in the background, and the channel keeps each sent buffer until
 its receiver took it (:meth:`Channel.settle`). That is what makes a step that sends and
@@ -29,7 +29,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import Comm
+from mimo_fx.plan import Collective
+
+from .comm import OPS, Comm
 
 __all__ = ["Channel", "Gathered", "Routed", "DATA", "SIZES", "CHECKS"]
 
@@ -40,7 +42,7 @@ Ranks = tuple[int, ...]
 DATA, SIZES, CHECKS = 0, 1, 2
 
 
-class Channel:
+class Channel(Comm):
     """Point-to-point collectives of one direction of a bridge, over ``group``."""
 
     def __init__(self, group, rank: int) -> None:
@@ -98,6 +100,24 @@ class Channel:
         return works
 
     # -- the comm seam ------------------------------------------------------------------
+    def collective(self, kind: Collective, flat: torch.Tensor, ranks: Ranks,
+                   out_splits: Sequence[int] = (), in_splits: Sequence[int] = (),
+                   site: str = "") -> torch.Tensor:
+        """The all-to-all and the all-gather are built from messages; a reduce-scatter
+        is an all-to-all of the chunks, summed; any other kind gathers every member's
+        input (equal sizes) and computes its output as :data:`~.comm.OPS` says."""
+        if kind is Collective.ALL_TO_ALL:
+            return self.all_to_all(flat, out_splits, in_splits, ranks)
+        if kind is Collective.ALL_GATHER:
+            return self.all_gather(flat, ranks)
+        n = len(ranks)
+        if kind is Collective.REDUCE_SCATTER:
+            chunk = flat.numel() // n
+            got = self.all_to_all(flat, [chunk] * n, [chunk] * n, ranks)
+            return got.view(n, chunk).sum(0)
+        rows = list(self.all_gather(flat, ranks).view(n, -1))
+        return OPS[kind].compute(rows, [out_splits] * n, [in_splits] * n)[ranks.index(self.rank)]
+
     def all_to_all(self, flat: torch.Tensor, out_splits: Sequence[int],
                    in_splits: Sequence[int], ranks: Ranks) -> torch.Tensor:
         out = flat.new_empty(sum(out_splits))
@@ -128,14 +148,6 @@ class Channel:
                               [(p, out[i]) for i, p in enumerate(ranks)], tag)
         return Gathered(out, dict(zip(others, works)), ranks)
 
-    def all_reduce(self, flat: torch.Tensor, ranks: Ranks) -> torch.Tensor:
-        return self.all_gather(flat, ranks).view(len(ranks), -1).sum(0)
-
-    def reduce_scatter(self, flat: torch.Tensor, ranks: Ranks) -> torch.Tensor:
-        n = flat.numel() // len(ranks)
-        got = self.all_to_all(flat, [n] * len(ranks), [n] * len(ranks), ranks)
-        return got.view(len(ranks), n).sum(0)
-
 
 class Gathered:
     """The rows of a posted all-gather, one per rank of ``ranks``, as they arrive."""
@@ -158,7 +170,7 @@ class Gathered:
         return not self.works
 
 
-class Routed:
+class Routed(Comm):
     """A comm that issues a group's collective over ``channel`` when the group spans
     both stages (neither ``src`` nor ``dst`` holds all of it), else over ``local``."""
 
@@ -172,15 +184,7 @@ class Routed:
             return self.local
         return self.channel
 
-    def all_gather(self, flat: torch.Tensor, ranks: Ranks) -> torch.Tensor:
-        return self._comm(ranks).all_gather(flat, ranks)
-
-    def reduce_scatter(self, flat: torch.Tensor, ranks: Ranks) -> torch.Tensor:
-        return self._comm(ranks).reduce_scatter(flat, ranks)
-
-    def all_reduce(self, flat: torch.Tensor, ranks: Ranks) -> torch.Tensor:
-        return self._comm(ranks).all_reduce(flat, ranks)
-
-    def all_to_all(self, flat: torch.Tensor, out_splits: Sequence[int],
-                   in_splits: Sequence[int], ranks: Ranks) -> torch.Tensor:
-        return self._comm(ranks).all_to_all(flat, out_splits, in_splits, ranks)
+    def collective(self, kind: Collective, flat: torch.Tensor, ranks: Ranks,
+                   out_splits: Sequence[int] = (), in_splits: Sequence[int] = (),
+                   site: str = "") -> torch.Tensor:
+        return self._comm(ranks).collective(kind, flat, ranks, out_splits, in_splits, site)

@@ -75,6 +75,7 @@ from mimo_fx.local import local_indices, local_shape
 from mimo_fx.regions import Tiling
 
 from .bridge import Bridge
+from .lease import require_world
 
 __all__ = ["Boundary", "BridgedPipeline", "BridgedStage"]
 
@@ -286,10 +287,7 @@ class BridgedPipeline:
             raise MimoFxError(f"output={output!r} must be a Layout on the last stage's "
                               f"ranks ({_span(self.stage_ranks[-1])})")
         self.output, self.dtype = output, dtype
-        if not dist.is_initialized():
-            raise MimoFxError("BridgedPipeline needs torch.distributed initialised first "
-                              "(torch.distributed.init_process_group)")
-        self.rank = dist.get_rank()
+        self.rank = require_world("BridgedPipeline")
         self._options = {"comm_dtype": comm_dtype, "checked": checked, "device": device}
         self.bridges = tuple(self._make_bridge(b) for b in self.boundaries)
         self.device = self.bridges[0].device

@@ -9,7 +9,7 @@ invariant that every rank of a bridge issues the same collectives in the same or
 
 >>> # on every rank, with TORCH_FR_BUFFER_SIZE=20000 set before init_process_group:
 >>> # start = mark(); bridge(x).sum().backward(); calls = since(start)
->>> # [c.kind for c in calls]   ->  ['all_to_all', 'all_to_all']
+>>> # [str(c.kind) for c in calls]   ->  ['all_to_all', 'all_to_all']
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pickle
 from dataclasses import dataclass
 
 from mimo_fx.errors import MimoFxError
+from mimo_fx.plan import Collective
 
 __all__ = ["ENV", "Call", "enabled", "mark", "since"]
 
@@ -30,7 +31,7 @@ class Call:
     """One collective as the process group ran it."""
 
     record: int                   # Flight Recorder's id, increasing
-    kind: str                     # all_gather, reduce_scatter, all_reduce, all_to_all, ...
+    kind: Collective | str        # a Collective, or torch's name for anything else
     ranks: tuple[int, ...]        # the group's global ranks
     numel_in: int
     numel_out: int
@@ -64,11 +65,14 @@ def _group_ranks() -> dict[str, tuple[int, ...]]:
     return {name: tuple(dist.get_process_group_ranks(pg)) for pg, name in world.pg_names.items()}
 
 
-def _kind(name: str) -> str:
+def _kind(name: str) -> Collective | str:
+    """The collective a record names (its own name, or one :data:`.comm.OPS` lists for
+    it), or torch's name for any other (a send, a barrier). gloo records a
+    reduce-scatter as the all-reduce it emulates it with."""
+    from .comm import OPS
+
     kind = name.split(":", 1)[-1]
-    return {"_allgather_base": "all_gather", "all_gather_into_tensor": "all_gather",
-            "_reduce_scatter_base": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-            "allreduce": "all_reduce", "alltoall_base": "all_to_all"}.get(kind, kind)
+    return next((k for k, op in OPS.items() if kind == k.value or kind in op.recorded), kind)
 
 
 def since(start: int) -> list[Call]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
+
+from .lease import require_world
+from .options import Options
 
 __all__ = ["ProcessWorld"]
 
@@ -30,9 +31,7 @@ class ProcessWorld:
     """
 
     def __init__(self, dtype=torch.float32, vary: tuple[str, ...] = ()) -> None:
-        if not dist.is_initialized():
-            raise MimoFxError("ProcessWorld needs torch.distributed initialised first")
-        self.rank = dist.get_rank()
+        self.rank = require_world("ProcessWorld")
         self.ranks = (self.rank,)
         self.dtype = dtype
         self.vary = tuple(vary)  # dims whose sizes change from step to step
@@ -43,15 +42,16 @@ class ProcessWorld:
         self.calls: list[tuple[Any, dict, bool]] | None = None
 
     def bridge(self, src: Layout, dst: Layout, sizes: dict, grad_partial=()):
-        """The bridge for these layouts: built with the sizes of the dims that do not
-        vary; those that do are given in each call (one compiled graph serves them)."""
-        from . import Redistributor
+        """The bridge for these layouts (from the one bridge cache): built with the sizes
+        of the dims that do not vary; those that do are given in each call (one compiled
+        graph serves them)."""
+        from . import bridge_for
 
         fixed = {d: n for d, n in sizes.items() if d not in self.vary}
-        key = (src, dst, tuple(sorted(fixed.items())), tuple(grad_partial))
+        key = (src, dst, tuple(grad_partial))
         if key not in self._bridges:
-            self._bridges[key] = Redistributor(src, dst, fixed, self.dtype,
-                                               grad_partial=grad_partial)
+            self._bridges[key] = bridge_for(src, dst, Options(self.dtype, tuple(grad_partial)),
+                                            fixed, "ProcessWorld")
         return self._bridges[key]
 
     def begin(self, anchor: torch.Tensor | None = None) -> None:

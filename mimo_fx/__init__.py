@@ -33,4 +33,6 @@ def __getattr__(name: str):
         return importlib.import_module(f"{__name__}.{name}")
     if name == "redistribute_dtensor":  # DTensor's entry point, imported on first use
         return importlib.import_module(f"{__name__}.interop.dtensor").redistribute_dtensor
+    if name == "backward":  # a step's backward, source-only bridge calls included
+        return importlib.import_module(f"{__name__}.compiled").backward
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

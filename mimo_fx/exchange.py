@@ -34,6 +34,7 @@ from itertools import product
 from math import prod
 from operator import itemgetter
 
+from .collective import Collective
 from .regions import Box, DimTiling, Interval, Tiling, _canonical
 
 __all__ = ["Transfer", "Geometry", "want_holders"]
@@ -273,9 +274,9 @@ class Geometry:
                             for a, b in t.owned(o)])
         return tuple(box for cell in product(*per_dim) for box in product(*cell))
 
-    def kind(self) -> str | None:
-        """None if no rank lacks anything; ``"all_gather"`` if the transfers form disjoint
-        all-gather groups, else ``"all_to_all"``: the first want holders one by one (most
+    def kind(self) -> Collective | None:
+        """None if no rank lacks anything; ``ALL_GATHER`` if the transfers form disjoint
+        all-gather groups, else ``ALL_TO_ALL``: the first want holders one by one (most
         all-to-alls show in the first two), then every rank a column at a time.
 
         A receiver that holds src and wants part of what it holds has the group
@@ -288,9 +289,9 @@ class Geometry:
         ranks = self.want.grid.ranks
         head = range(ranks.start, min(ranks.stop, ranks.start + 64))
         found = self._kind(head) if len(head) < len(ranks) else None
-        return found if found == "all_to_all" else self._kind(ranks)
+        return found if found is Collective.ALL_TO_ALL else self._kind(ranks)
 
-    def _kind(self, ranks: range) -> str | None:
+    def _kind(self, ranks: range) -> Collective | None:
         """:meth:`kind` over the want holders among ``ranks``."""
         wanted = self.want.owner_columns(ranks)
         owners = self.hold.held_owner_columns(ranks)
@@ -301,7 +302,7 @@ class Geometry:
             return None
         for column, own in zip(readings, owners):  # a receiver must hold what it sends
             if not all(own[i] in column[i] for i in rows):
-                return "all_to_all"
+                return Collective.ALL_TO_ALL
 
         def pick(column: list) -> list:
             return column if len(rows) == len(ranks) else [column[i] for i in rows]
@@ -310,14 +311,14 @@ class Geometry:
         groups, sizes = _group_ids(pick(bases), [pick(c) for c in readings], ranks.stop)
         counts = Counter(groups)
         if any(n != sizes[g] for g, n in counts.items()):
-            return "all_to_all"  # a group some of whose members do not name it
+            return Collective.ALL_TO_ALL  # a group some of whose members do not name it
         big = [i for i, g in enumerate(groups) if sizes[g] > 2]
         for column in map(pick, wanted):  # members of groups of three or more want alike
             column = [column[i] for i in big]
             first = dict(zip(reversed([groups[i] for i in big]), reversed(column)))
             if [first[groups[i]] for i in big] != column:
-                return "all_to_all"  # a sender would send its receivers different boxes
-        return "all_gather"
+                return Collective.ALL_TO_ALL  # a sender would send its receivers different boxes
+        return Collective.ALL_GATHER
 
     def _owning_parts(self, ranks: range, owners: list[list[int]]) -> list[int]:
         """Per rank, the rank offset its hold owners make (see :meth:`_owning_part`)."""

@@ -31,6 +31,7 @@ from .errors import MimoFxError
 from .grid import Grid
 from .plan import Exchange, Plan, Step, format_bytes
 from .regions import Box, Tiling
+from .rows import RowPlan
 
 __all__ = ["step_matrix", "transfer_matrix", "explain", "rank_table", "draw_png"]
 
@@ -49,8 +50,11 @@ def step_matrix(p: Plan, step: Step) -> dict[tuple[int, int], int]:
     return dict(out)
 
 
-def transfer_matrix(p: Plan) -> dict[tuple[int, int], int]:
-    """``{(sender, receiver): bytes}`` over all steps of ``p``; pairs with no traffic absent."""
+def transfer_matrix(p: Plan | RowPlan) -> dict[tuple[int, int], int]:
+    """``{(sender, receiver): bytes}`` over all steps of ``p``; pairs with no traffic absent
+    (a row plan: its forward all-to-all)."""
+    if isinstance(p, RowPlan):
+        return {pair: n * p.row_bytes for pair, n in sorted(p.pairs().items())}
     total: dict[tuple[int, int], int] = defaultdict(int)
     for step in p.steps:
         for pair, n in step_matrix(p, step).items():
@@ -58,7 +62,7 @@ def transfer_matrix(p: Plan) -> dict[tuple[int, int], int]:
     return dict(sorted(total.items()))
 
 
-def _ranks(p: Plan) -> list[int]:
+def _ranks(p: Plan | RowPlan) -> list[int]:
     return sorted(set(p.src.grid.ranks) | set(p.dst.grid.ranks))
 
 
@@ -150,16 +154,7 @@ def _transfers_text(p: Plan) -> list[str]:
 def _collectives_text(p: Plan) -> str:
     if not p.steps:
         return "collectives: none (every dst rank slices what it holds)"
-    parts = []
-    for step in p.steps:
-        if isinstance(step, Exchange):
-            parts.append(f"{step.kind.value} over {len(step.ranks)} ranks "
-                         f"({len(step.transfers)} transfers)")
-        else:
-            sizes = sorted({len(g) for g in step.groups})
-            parts.append(f"{step.kind.value} in {len(step.groups)} group(s) of "
-                         f"{'/'.join(map(str, sizes))}")
-    return "collectives: " + ", then ".join(parts)
+    return "collectives: " + ", then ".join(step.summary() for step in p.steps)
 
 
 def _summary(p: Plan) -> str:
@@ -174,9 +169,36 @@ def _summary(p: Plan) -> str:
             f"{format_bytes(p.max_sent, 2)}/rank; total {format_bytes(p.total_bytes, 2)}{extra}")
 
 
-def explain(p: Plan) -> str:
+def _row_holdings(p: RowPlan) -> str:
+    ranks = _ranks(p)
+    rows = []
+    for r in ranks[:HOLDINGS_SHOWN]:
+        i = p.ranks.index(r) if r in p.ranks else None
+        held = [g for g in p.src_rows[i] if g >= 0] if i is not None else []
+        need = [g for g in p.dst_rows[i] if g >= 0] if i is not None else []
+        rows.append([r, _coord(p.src.grid, r), f"{len(held)} rows", _coord(p.dst.grid, r),
+                     f"{len(need)} rows ({len(set(need))} distinct, "
+                     f"{len(set(need) - set(held))} not held)"])
+    text = tabulate(rows, disable_numparse=True, tablefmt="simple",
+                    headers=["rank", "src coord", "holds", "dst coord", "needs"])
+    if len(ranks) > HOLDINGS_SHOWN:
+        text += f"\n... {len(ranks) - HOLDINGS_SHOWN} more ranks"
+    return text
+
+
+def explain(p: Plan | RowPlan) -> str:
     """A readable account of ``p``: steps, holdings, transfer matrix, transfers, bytes."""
     matrix = transfer_matrix(p)
+    if isinstance(p, RowPlan):  # rows a layout lists, not boxes
+        if p.src is None:
+            raise MimoFxError("explain needs the layouts of a row plan: plan it with "
+                              "mimo_fx.plan(src, dst, sizes)")
+        return "\n\n".join([
+            str(p), f"collectives: one all_to_all over {len(p.ranks)} ranks each way",
+            _summary(p),  # type: ignore[arg-type]
+            "what each rank holds (src) and needs (dst):\n" + _row_holdings(p),
+            _matrix_text(p, matrix),  # type: ignore[arg-type]
+            "bytes per rank:\n" + rank_table(p)]) + "\n"  # type: ignore[arg-type]
     sections = [
         str(p),
         _collectives_text(p),

@@ -18,15 +18,20 @@ Megatron's HyperCommGrid.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from math import prod
 
+import torch
+
+from .constants import constant
 from .errors import MimoFxError
 
-__all__ = ["Grid"]
+__all__ = ["Grid", "grid_from_mesh", "mesh_groups", "is_mesh"]
 
 
+@constant
 @dataclass(frozen=True, init=False)
 class Grid:
     """Named grid axes over a contiguous range of ranks starting at ``offset``."""
@@ -34,6 +39,14 @@ class Grid:
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     offset: int
+
+    @staticmethod
+    def from_mesh(mesh) -> Grid:
+        """The grid of a ``DeviceMesh`` with named dims: the same ranks, its axes the mesh's
+        dims ordered fastest first (a mesh's LAST dim is fastest: mesh ``("dp", "tp")`` of
+        shape ``(4, 2)`` is ``Grid(tp=2, dp=4)``). Layouts on it name the mesh's dims, and
+        bridges reuse the mesh's process groups where they match one of its dims'."""
+        return _from_mesh(mesh)
 
     def __init__(self, offset: int = 0, **axes: int) -> None:
         object.__setattr__(self, "names", tuple(axes))
@@ -198,3 +211,140 @@ def _mixed_radix_offsets(sizes: list[int], strides: list[int]) -> list[int]:
     for size, stride in zip(sizes, strides):
         out = [o + i * stride for i in range(size) for o in out]
     return out
+
+
+# -- DeviceMesh -> Grid -------------------------------------------------------------------------
+def _mesh_parts(mesh, mesh_dim_names) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """The rank tensor and the dim names of a DeviceMesh, a rank tensor or nested lists."""
+    names = mesh_dim_names
+    if hasattr(mesh, "mesh") and hasattr(mesh, "mesh_dim_names"):  # a DeviceMesh
+        ranks = mesh.mesh
+        names = names if names is not None else mesh.mesh_dim_names
+    else:
+        try:
+            ranks = torch.as_tensor(mesh)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise MimoFxError(f"mesh {mesh!r}: give a DeviceMesh, a rank tensor or nested "
+                              f"lists of ranks ({err})") from None
+    if ranks.dim() == 0 or ranks.numel() == 0 or ranks.is_floating_point():
+        raise MimoFxError(f"mesh ranks {ranks.tolist()!r}: need an integer tensor with at "
+                          f"least one dim and one rank")
+    ranks = ranks.to(torch.int64).cpu()
+    if names is None:
+        names = tuple(f"m{i}" for i in range(ranks.dim()))
+    names = tuple(names)
+    if len(names) != ranks.dim():
+        raise MimoFxError(f"mesh of shape {tuple(ranks.shape)} has {ranks.dim()} dims but "
+                          f"{len(names)} names {names}")
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise MimoFxError(f"mesh dim name {name!r} is not an identifier; mimo_fx names "
+                              f"grid axes after mesh dims (rename it, e.g. 'dp_shard')")
+    if len(set(names)) != len(names):
+        raise MimoFxError(f"mesh dim names {names} repeat a name")
+    return ranks, names
+
+
+def grid_from_mesh(mesh, mesh_dim_names: Sequence[str] | None = None) -> Grid:
+    """The :class:`Grid` of a DeviceMesh (or of a rank tensor / nested lists of ranks).
+
+    The mesh's ranks must be an axis permutation of a contiguous range: every mesh dim
+    steps ranks by a fixed positive stride and the strides, sorted, form a mixed radix.
+    Grid axes are the mesh dims ordered by stride (fastest first), named after them.
+
+    >>> grid_from_mesh([[0, 1], [2, 3], [4, 5], [6, 7]], ("dp", "tp"))
+    Grid(tp=2, dp=4)
+    >>> grid_from_mesh([[4, 6], [5, 7]])
+    Grid(m0=2, m1=2, offset=4)
+    """
+    ranks, names = _mesh_parts(mesh, mesh_dim_names)
+    return _grid(ranks, names)
+
+
+def _grid(ranks: torch.Tensor, names: tuple[str, ...]) -> Grid:
+    flat = ranks.flatten().tolist()
+    shape = tuple(ranks.shape)
+    offset, size = min(flat), len(flat)
+    where = f"mesh {names} of shape {shape} with ranks {ranks.tolist()}"
+    if sorted(flat) != list(range(offset, offset + size)):
+        seen = set(flat)
+        missing = [r for r in range(offset, max(flat) + 1) if r not in seen]
+        twice = sorted({r for r in flat if flat.count(r) > 1})
+        raise MimoFxError(
+            f"{where}: a mimo_fx grid covers a contiguous range of ranks once each, but "
+            + (f"ranks {missing[:8]} are missing from the range {offset}..{max(flat)}"
+               if missing else f"ranks {twice[:8]} appear twice")
+            + ". A submesh (e.g. mesh['dp'] of a 2-D mesh) is not a grid: use the whole mesh "
+              "with Replicate() on the other mesh dims")
+    strides: list[int | float | None] = []
+    for i, n in enumerate(shape):
+        if n == 1:
+            strides.append(None)
+            continue
+        step = ranks.select(i, 1).flatten()[0].item() - ranks.select(i, 0).flatten()[0].item()
+        if step <= 0:
+            raise MimoFxError(f"{where}: mesh dim {names[i]!r} steps ranks by {step}; a grid "
+                              f"axis counts ranks upwards (flip that mesh dim)")
+        strides.append(step)
+    index = torch.zeros(shape, dtype=torch.int64) + offset
+    for i, (n, s) in enumerate(zip(shape, strides)):
+        if s is not None:
+            index = index + (torch.arange(n) * s).reshape([n if k == i else 1
+                                                            for k in range(len(shape))])
+    if not torch.equal(index, ranks):
+        bad = (index != ranks).nonzero()[0].tolist()
+        raise MimoFxError(f"{where}: rank {ranks[tuple(bad)].item()} at mesh coordinate "
+                          f"{tuple(bad)} breaks the fixed stride per mesh dim "
+                          f"({dict(zip(names, strides))}); mimo_fx grids are axis "
+                          f"permutations of a mixed-radix range")
+    order = sorted(range(len(shape)), key=lambda i: (_virtual_stride(i, shape, strides), -i))
+    acc = 1
+    for i in order:  # a bijective affine map onto a range is mixed radix
+        assert strides[i] is None or strides[i] == acc, (where, strides)
+        acc *= shape[i]
+    return Grid(offset=offset, **{names[i]: shape[i] for i in order})
+
+
+def _virtual_stride(i: int, shape, strides) -> int:
+    """A size-1 mesh dim sits just outside the next larger mesh dim after it (where
+    row-major order puts it)."""
+    if strides[i] is not None:
+        return strides[i]
+    later = [j for j in range(i + 1, len(shape)) if strides[j] is not None]
+    return strides[later[0]] * shape[later[0]] if later else 1
+
+
+def is_mesh(obj: object) -> bool:
+    """Whether ``obj`` is a torch ``DeviceMesh`` (checked without importing DTensor)."""
+    return hasattr(obj, "mesh") and hasattr(obj, "mesh_dim_names") and hasattr(obj, "get_group")
+
+
+# the meshes grids were made from: a bridge over such a grid reuses the mesh's own
+# process group wherever one of its groups is one of a mesh dim's (see mesh_groups)
+_MESHES: dict[Grid, list] = {}
+
+
+def _from_mesh(mesh) -> Grid:
+    if mesh.mesh_dim_names is None:
+        raise MimoFxError(f"DeviceMesh {mesh} has no dim names; name its dims "
+                          f"(init_device_mesh(..., mesh_dim_names=(\"dp\", \"tp\"))): a "
+                          f"layout's pattern names them")
+    grid = grid_from_mesh(mesh)
+    known = _MESHES.setdefault(grid, [])
+    if not any(m is mesh for m in known):
+        known.append(mesh)
+    return grid
+
+
+def mesh_groups(ranks: tuple[int, ...]):
+    """A mesh dim's process group whose members are ``ranks`` in this order, from the
+    meshes grids were made from: ``(mesh, dim name)``, or None. Every rank answers
+    alike (it reads the meshes' rank tensors, which every rank holds)."""
+    for meshes in _MESHES.values():
+        for mesh in meshes:
+            table = mesh.mesh
+            for d, name in enumerate(mesh.mesh_dim_names):
+                moved = table.movedim(d, -1).reshape(-1, table.shape[d])
+                if any(tuple(row.tolist()) == ranks for row in moved):
+                    return mesh, name
+    return None

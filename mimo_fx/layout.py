@@ -24,8 +24,9 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
+from .constants import constant
 from .errors import MimoFxError
-from .grid import Grid
+from .grid import Grid, is_mesh
 
 __all__ = ["Layout", "Factor"]
 
@@ -43,6 +44,7 @@ class Factor:
     axes: tuple[str, ...]
 
 
+@constant
 @dataclass(frozen=True, init=False)
 class Layout:
     """A named-dim pattern over a grid, with partial, pinned and zigzag axes.
@@ -88,8 +90,11 @@ class Layout:
         split: str = "tensor_split",
         ragged: tuple[str, ...] | list[str] | str = (),
     ) -> None:
+        if is_mesh(grid):  # a DeviceMesh: its grid (see Grid.from_mesh)
+            grid = Grid.from_mesh(grid)
         if not isinstance(grid, Grid):
-            raise MimoFxError(f"Layout needs a Grid as first argument, got {grid!r}")
+            raise MimoFxError(f"Layout needs a Grid (or a DeviceMesh with named dims) as "
+                              f"first argument, got {grid!r}")
         if not isinstance(pattern, str):
             raise MimoFxError(f"Layout pattern must be a string, got {pattern!r}")
         partial = (partial,) if isinstance(partial, str) else tuple(partial)

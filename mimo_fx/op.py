@@ -24,6 +24,19 @@ def is_dtensor(x) -> bool:
     return module is not None and isinstance(x, module.DTensor)
 
 
+def _check_layout(side: str, layout) -> None:
+    """A layout where one belongs, else the error that says how to make one."""
+    from .layout import Layout
+    from .rows import is_row_layout
+
+    if not isinstance(layout, Layout) and not is_row_layout(layout):
+        hint = (f"Layout(Grid(...), {layout!r})" if isinstance(layout, str)
+                else 'Layout(Grid(tp=2, dp=4), "(dp b) s h")')
+        raise MimoFxError(f"redistribute: {side} must be a layout, got {type(layout).__name__} "
+                          f"{layout!r}; build one with {hint} (a grid and a pattern), or a "
+                          f"PackedLayout for a packed batch")
+
+
 def redistribute(x, src, dst, *, sizes=None, grad_partial=(), comm_dtype=None,
                  checked: bool = False, dtype=None, **dim_sizes):
     """Move a tensor from layout ``src`` to layout ``dst``; differentiable.
@@ -52,6 +65,11 @@ def redistribute(x, src, dst, *, sizes=None, grad_partial=(), comm_dtype=None,
     >>> sorted(y), y[1].tolist()
     ([0, 1, 2, 3], [[1.0], [3.0], [5.0], [7.0]])
     """
+    if is_dtensor(x):
+        raise MimoFxError("redistribute takes layouts; to move a DTensor to another mesh "
+                          "call mimo_fx.redistribute_dtensor(x, dst_mesh, dst_placements)")
+    for side, layout in (("src", src), ("dst", dst)):
+        _check_layout(side, layout)
     if isinstance(x, Mapping):
         compiled_only = {"comm_dtype": comm_dtype, "checked": checked, "dtype": dtype}
         given = [k for k, v in compiled_only.items() if v not in (None, False)]
@@ -63,9 +81,6 @@ def redistribute(x, src, dst, *, sizes=None, grad_partial=(), comm_dtype=None,
 
         return reference_redistribute(x, src, dst, sizes=sizes, grad_partial=grad_partial,
                                       **dim_sizes)
-    if is_dtensor(x):
-        raise MimoFxError("redistribute takes layouts; to move a DTensor to another mesh "
-                          "call mimo_fx.redistribute_dtensor(x, dst_mesh, dst_placements)")
     if x is not None and not isinstance(x, torch.Tensor):
         raise MimoFxError(f"redistribute takes a tensor, None, or a dict {{rank: tensor}}; "
                           f"got {type(x).__name__}")

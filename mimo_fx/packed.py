@@ -18,8 +18,8 @@ varlen attention kernel (:meth:`Packing.local_cu_seqlens`). :func:`pack_shard` a
 :func:`pack_unshard` are the oracle between the unpadded packed tensor and the per-rank
 pieces; :func:`image_rows` says which image embeddings each cp rank receives and where
 they go in its storage. :class:`PackedLayout` lays one packing per dp group over a
-grid (:func:`packed_shard` is its oracle), and :func:`plan_to_packed` /
-:func:`plan_from_packed` plan the index-mapped bridges from any rows into it and back.
+grid: a layout ``redistribute`` moves rows into and out of (``mimo_fx.reference.shard``
+is its oracle).
 Every index comes as a CPU int64 tensor (``.to(device)`` it, or
 ``.int()`` for a kernel that wants int32 boundaries).
 
@@ -62,11 +62,12 @@ from typing import NamedTuple
 
 import torch
 
+from .constants import constant
 from .errors import MimoFxError
-from .grid import Grid
+from .grid import Grid, is_mesh
 
-__all__ = ["ImageRows", "PackedLayout", "Packing", "image_rows", "pack_shard", "pack_unshard",
-           "packed_shard", "plan_from_packed", "plan_to_packed"]
+__all__ = ["ImageRows", "PackedLayout", "PackedStructure", "Packing", "image_rows",
+           "pack_shard", "pack_unshard"]
 
 
 def _int(value: object, what: str, fix: str) -> int:
@@ -356,33 +357,60 @@ def _check_image_positions(packing: Packing, image_positions: object) -> torch.T
 
 
 # -- packed layouts over a grid -----------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class PackedLayout:
-    """A packed token dim ``(tokens, ...)`` over a grid: dp group ``d`` packs its samples
-    (``lengths[d]``) into one sequence, cut over the ``cp`` axis per sequence
-    (:class:`Packing`); every other axis replicates.
-
-    The global tensor is every group's unpadded packed tokens, group after group (sample
-    order, as an encoder's ``(dp b) s h`` flattens, or a ragged ``(dp t) h``): global row
-    ``offset[d] + i`` is token ``i`` of group ``d``'s packing. A rank's piece is its cp
-    rank's storage of its group's packing, ``(packing.local_total, ...)``, zero at padding.
-    A grid without a ``dp`` (or ``cp``) axis has one group (or cp = 1).
-
-    >>> from mimo_fx import Grid
-    >>> lay = PackedLayout(Grid(cp=2, dp=2), [[3], [2, 1]], zigzag=False)
-    >>> {r: lay.rows(r).tolist() for r in range(4)}
-    {0: [0, 1], 1: [2, -1], 2: [3, 5], 3: [4, -1]}
-    """
+@constant
+@dataclass(frozen=True)
+class PackedStructure:
+    """What a :class:`PackedLayout` is apart from its batch: the part a bridge is built
+    for (one bridge serves every batch; a constant to ``torch.compile``)."""
 
     grid: Grid
-    lengths: tuple[tuple[int, ...], ...]
-    zigzag: bool = True
-    cp: str = "cp"
-    dp: str = "dp"
-    packings: tuple[Packing, ...] = ()  # per dp group
+    pattern: str
+    zigzag: bool
+    cp: str
+    dp: str
+    selected: bool  # only some tokens (PackedLayout.select)
 
-    def __init__(self, grid, lengths: Sequence[Sequence[int]], zigzag: bool = True, *,
-                 cp: str = "cp", dp: str = "dp") -> None:
+
+@dataclass(frozen=True, eq=False, init=False)
+class PackedLayout:
+    """Packed sequences over a grid: dp group ``d`` packs its samples (``lengths[d]``)
+    into one sequence, cut over the ``cp`` axis per sequence (:class:`Packing`); every
+    other axis replicates.
+
+    ``pattern`` names the dims: the first (a name, or a parenthesised group flattened
+    row-major) is the packed token dim, the others a token's features, whole on every
+    rank (``"t h"``). The global tensor is every group's unpadded packed tokens, group
+    after group (sample order, as an encoder's ``(dp b) s h`` flattens, or a ragged
+    ``(dp t) h``): global row ``offset[d] + i`` is token ``i`` of group ``d``'s packing. A
+    rank's piece is its cp rank's storage of its group's packing, ``(packing.local_total,
+    ...)``, zero at padding. A grid without a ``dp`` (or ``cp``) axis has one group (or
+    cp = 1). :meth:`select` keeps only some tokens (image tokens, say).
+
+    It is a row layout (:mod:`mimo_fx.rows`): ``redistribute(x, src, packed)`` moves rows
+    into it, and ``redistribute(y, packed, dst)`` out of it.
+
+    >>> from mimo_fx import Grid
+    >>> lay = PackedLayout(Grid(cp=2, dp=2), "t h", [[3], [2, 1]], zigzag=False)
+    >>> {r: lay.rows(r).tolist() for r in range(4)}
+    {0: [0, 1], 1: [2, -1], 2: [3, 5], 3: [4, -1]}
+    >>> img = lay.select([4, 0])       # global row j of img is token [4, 0][j]
+    >>> {r: img.rows(r).tolist() for r in range(4)}, img.positions(3).tolist()
+    ({0: [1], 1: [], 2: [], 3: [0]}, [0])
+    """
+
+    structure: PackedStructure
+    lengths: tuple[tuple[int, ...], ...]
+    tokens: tuple[int, ...] | None  # the selected tokens (global rows), or None: all
+    packings: tuple[Packing, ...]   # per dp group
+    data: torch.Tensor              # the batch as one int64 vector (see from_data)
+
+    def __init__(self, grid, pattern: str, lengths: Sequence[Sequence[int]],
+                 zigzag: bool = True, *, cp: str = "cp", dp: str = "dp") -> None:
+        self._build(grid, pattern, lengths, zigzag, cp, dp, None)
+
+    def _build(self, grid, pattern, lengths, zigzag, cp, dp, tokens) -> None:
+        if is_mesh(grid):  # a DeviceMesh: its grid (see Grid.from_mesh)
+            grid = Grid.from_mesh(grid)
         if not isinstance(grid, Grid):
             raise MimoFxError(f"PackedLayout needs a Grid, got {grid!r}")
         groups = grid.axis_size(dp) if dp in grid.names else 1
@@ -390,81 +418,200 @@ class PackedLayout:
                 or len(lengths) != groups:
             raise MimoFxError(f"PackedLayout lengths must give one list of sample lengths "
                               f"per {dp} group ({groups} of them), got {lengths!r}")
-        object.__setattr__(self, "grid", grid)
-        object.__setattr__(self, "lengths", tuple(_check_lengths(g) for g in lengths))
-        object.__setattr__(self, "zigzag", zigzag)
-        object.__setattr__(self, "cp", cp)
-        object.__setattr__(self, "dp", dp)
+        if not isinstance(zigzag, bool):
+            raise MimoFxError(f"PackedLayout zigzag must be True or False, got {zigzag!r}")
+        structure = PackedStructure(grid, _check_pattern(pattern), zigzag, cp, dp,
+                                    tokens is not None)
+        set_ = object.__setattr__
+        set_(self, "structure", structure)
+        set_(self, "lengths", tuple(_check_lengths(g) for g in lengths))
         n_cp = grid.axis_size(cp) if cp in grid.names else 1
-        object.__setattr__(self, "packings",
-                           tuple(Packing(g, n_cp, zigzag) for g in self.lengths))
+        set_(self, "packings", tuple(Packing(g, n_cp, zigzag) for g in self.lengths))
+        set_(self, "tokens", tokens)
+        data = [len(self.lengths), *(len(g) for g in self.lengths),
+                *(n for g in self.lengths for n in g), *(tokens or ())]
+        tensor = torch.tensor(data, dtype=torch.int64)
+        # a new batch is new data, not a new graph: no length of it is specialised on
+        torch._dynamo.decorators.mark_unbacked(tensor, 0)
+        set_(self, "data", tensor)
+
+    @staticmethod
+    def from_data(structure: PackedStructure, data: Sequence[int]) -> PackedLayout:
+        """The layout of ``structure`` whose :attr:`data` is ``data`` (as ints)."""
+        groups = data[0]
+        counts = data[1:1 + groups]
+        at = 1 + groups
+        lengths = []
+        for n in counts:
+            lengths.append(tuple(data[at:at + n]))
+            at += n
+        out = PackedLayout.__new__(PackedLayout)
+        tokens = tuple(data[at:]) if structure.selected else None
+        s = structure
+        out._build(s.grid, s.pattern, lengths, s.zigzag, s.cp, s.dp, tokens)
+        return out
+
+    def select(self, tokens: Sequence[int] | torch.Tensor) -> PackedLayout:
+        """The same batch holding only ``tokens`` (global rows of this layout, e.g. the
+        image tokens): global row ``j`` of the result is token ``tokens[j]``; each rank
+        holds the selected tokens its chunks hold, in storage order, and no padding
+        (:meth:`positions` says where they sit in its full storage)."""
+        if self.tokens is not None:
+            raise MimoFxError("select() of a layout that is already a selection: select "
+                              "from the full PackedLayout")
+        picked = _check_tokens(tokens, self.total)
+        s = self.structure
+        out = PackedLayout.__new__(PackedLayout)
+        out._build(s.grid, s.pattern, self.lengths, s.zigzag, s.cp, s.dp, picked)
+        return out
+
+    # -- the layout interface ------------------------------------------------------------
+    @property
+    def grid(self) -> Grid:
+        return self.structure.grid
+
+    @property
+    def pattern(self) -> str:
+        return self.structure.pattern
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """The logical dims: the token dim's names, then the features."""
+        return tuple(_pattern_dims(self.pattern)[0] + _pattern_dims(self.pattern)[1])
+
+    @property
+    def row_dims(self) -> tuple[str, ...]:
+        """The dims the rows flatten (the first pattern group)."""
+        return tuple(_pattern_dims(self.pattern)[0])
+
+    @property
+    def local_dims(self) -> tuple[tuple[str, ...], ...]:
+        """The local tensor's dims: the token dim (its names), then each feature."""
+        rows, features = _pattern_dims(self.pattern)
+        return (tuple(rows), *((f,) for f in features))
+
+    @property
+    def ragged_dims(self) -> tuple[str, ...]:
+        """None: a packed batch's token count is its data, not a size."""
+        return ()
+
+    @property
+    def holders(self) -> tuple[int, ...]:
+        return tuple(self.grid.ranks)
+
+    def holds(self, rank: int) -> bool:
+        return rank in self.grid
+
+    @property
+    def replicated(self) -> tuple[str, ...]:
+        """Axes over which every rank holds the same rows (all but dp and cp)."""
+        return tuple(a for a in self.grid.names if a not in (self.structure.cp,
+                                                              self.structure.dp))
+
+    def describe(self) -> str:
+        what = f"{len(self.tokens)} selected tokens of " if self.tokens is not None else ""
+        zig = "zigzag" if self.structure.zigzag else "contiguous"
+        return (f"{self.pattern} ({what}packed sequences over {self.structure.dp} x "
+                f"{self.structure.cp}, {zig})")
+
+    def __repr__(self) -> str:
+        sel = f".select({list(self.tokens)})" if self.tokens is not None else ""
+        return (f"PackedLayout({self.grid!r}, {self.pattern!r}, "
+                f"{[list(g) for g in self.lengths]}, zigzag={self.structure.zigzag})" + sel)
 
     @property
     def total(self) -> int:
-        """Rows of the global (unpadded) tensor."""
+        """Tokens of the packed batch (every group's, unpadded)."""
         return sum(p.total for p in self.packings)
+
+    @property
+    def n_rows(self) -> int:
+        """Rows of the global tensor: every token, or the selected ones."""
+        return self.total if self.tokens is None else len(self.tokens)
 
     def _where(self, rank: int) -> tuple[int, int]:
         if rank not in self.grid:
             raise MimoFxError(f"rank {rank} is not in this PackedLayout's grid {self.grid}")
         coord = self.grid.coord(rank)
-        return coord.get(self.dp, 0), coord.get(self.cp, 0)
+        return coord.get(self.structure.dp, 0), coord.get(self.structure.cp, 0)
 
     def packing(self, rank: int) -> Packing:
         """The packing of ``rank``'s dp group."""
         return self.packings[self._where(rank)[0]]
 
-    def rows(self, rank: int) -> torch.Tensor:
-        """Per local row of ``rank``'s piece, its global row (-1 at padding)."""
+    def _token_rows(self, rank: int) -> torch.Tensor:
+        """Per local token of ``rank``'s storage, its token (global row of the full
+        layout), -1 at padding."""
         d, c = self._where(rank)
         offset = sum(p.total for p in self.packings[:d])
         token = self.packings[d].token_index(c)
         return torch.where(token >= 0, token + offset, -1)
 
+    def rows(self, rank: int) -> torch.Tensor:
+        """Per local row of ``rank``'s piece, its global row (-1 at padding)."""
+        tokens = self._token_rows(rank)
+        if self.tokens is None:
+            return tokens
+        where = self._selected_at(tokens)
+        return where[where >= 0]
 
-def packed_shard(x: torch.Tensor, layout: PackedLayout) -> dict[int, torch.Tensor]:
-    """The oracle: every rank's piece of the global packed tensor ``x`` ``(total, ...)``,
-    cut group by group with :func:`pack_shard`. Differentiable."""
-    if x.dim() == 0 or x.shape[0] != layout.total:
-        raise MimoFxError(f"packed_shard: x has shape {tuple(x.shape)}; its first dim must be "
-                          f"the layout's {layout.total} packed tokens")
-    groups = torch.split(x, [p.total for p in layout.packings])
-    cut = [pack_shard(g, p) for g, p in zip(groups, layout.packings)]
-    out = {}
-    for rank in layout.grid.ranks:
-        d, c = layout._where(rank)
-        out[rank] = cut[d][c]
+    def positions(self, rank: int) -> torch.Tensor:
+        """Where ``rank``'s rows sit in its full packed storage (of ``local_total``
+        tokens): all positions, or a selection's (``storage.index_copy(0, positions,
+        piece)`` puts a selection's piece in place)."""
+        tokens = self._token_rows(rank)
+        if self.tokens is None:
+            return torch.arange(len(tokens))
+        return torch.nonzero(self._selected_at(tokens) >= 0).flatten()
+
+    def _selected_at(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Per local token, its row in the selection (-1 if not selected)."""
+        assert self.tokens is not None
+        pick = torch.full((self.total + 1,), -1, dtype=torch.int64)
+        pick[torch.tensor(self.tokens, dtype=torch.int64)] = torch.arange(len(self.tokens))
+        return pick[torch.where(tokens >= 0, tokens, self.total)]
+
+
+def _check_pattern(pattern: object) -> str:
+    if not isinstance(pattern, str):
+        raise MimoFxError(f"PackedLayout pattern must be a string naming the token dim and "
+                          f"the features, e.g. 't h'; got {pattern!r}")
+    rows, features = _pattern_dims(pattern)
+    names = rows + features
+    if not rows or len(set(names)) != len(names) or not all(n.isidentifier() for n in names):
+        raise MimoFxError(f"PackedLayout pattern {pattern!r} must name the token dim (or a "
+                          f"parenthesised group of dims it flattens) and then the features, "
+                          f"each once, e.g. 't h' or '(b s) h'")
+    first = f"({' '.join(rows)})" if len(rows) > 1 else rows[0]
+    return " ".join([first, *features])
+
+
+def _pattern_dims(pattern: str) -> tuple[list[str], list[str]]:
+    text = pattern.strip()
+    if text.startswith("("):
+        close = text.find(")")
+        if close < 0:
+            return [], []
+        return text[1:close].split(), text[close + 1:].split()
+    names = text.split()
+    return names[:1], names[1:]
+
+
+def _check_tokens(tokens: object, total: int) -> tuple[int, ...]:
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.dtype == torch.bool:
+            raise MimoFxError(f"select takes a 1-D integer tensor (or list) of tokens, got "
+                              f"dtype {tokens.dtype} and shape {tuple(tokens.shape)}")
+        tokens = tokens.tolist()
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise MimoFxError(f"select takes a sequence of tokens (global rows), got {tokens!r}")
+    out = tuple(_int(g, "a selected token", "give token indices") for g in tokens)
+    bad = [g for g in out if not 0 <= g < total]
+    if bad:
+        raise MimoFxError(f"selected tokens {bad[:8]} fall outside the batch's {total} "
+                          f"tokens (0..{total - 1})")
+    if len(set(out)) != len(out):
+        raise MimoFxError(f"selected tokens repeat "
+                          f"{sorted({g for g in out if out.count(g) > 1})[:8]}; each "
+                          f"global row is one token")
     return out
-
-
-def _real_rows(layout: PackedLayout) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
-    """Per rank of ``layout``'s grid, the global rows of its real (non-padding) tokens and
-    where those sit in its piece."""
-    rows, where = {}, {}
-    for rank in layout.grid.ranks:
-        ids = layout.rows(rank)
-        real = ids >= 0
-        rows[rank], where[rank] = ids[real].tolist(), torch.nonzero(real).flatten()
-    return rows, where
-
-
-def plan_to_packed(src_rows: Mapping[int, Sequence[int]], layout: PackedLayout):
-    """The index plan from src ranks holding global rows (``src_rows``, e.g.
-    :func:`mimo_fx.index.layout_rows` of an encoder's layout) to ``layout``, and per rank
-    where its received rows go: ``piece = zeros(local_total, ...).index_copy(0,
-    where[rank], received)``. Returns ``(plan, where)``."""
-    from .index import plan_rows
-
-    dst, where = _real_rows(layout)
-    return plan_rows(src_rows, dst, layout.total), where
-
-
-def plan_from_packed(layout: PackedLayout, dst_rows: Mapping[int, Sequence[int]]):
-    """The index plan from ``layout`` back to ranks needing global rows (``dst_rows``, e.g.
-    :func:`mimo_fx.index.layout_rows` of a loss layout); a rank's src piece is its real
-    rows, ``piece.index_select(0, real[rank])`` (replicas over other axes each hold them;
-    the plan sends each row from one). Returns ``(plan, real)``."""
-    from .index import plan_rows
-
-    src, real = _real_rows(layout)
-    return plan_rows(src, dst_rows, layout.total), real

@@ -39,56 +39,134 @@ True
 from __future__ import annotations
 
 import gc
+from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass, field, replace
 from functools import cache, cached_property, lru_cache
 from math import prod
+from typing import Any, ClassVar
 
+from .collective import Collective
 from .errors import MimoFxError
 from .exchange import Geometry, ReduceCosts, Transfer, want_holders
 from .layout import Layout
 from .regions import Box, Size, Tiling, _digit_column, box_volume, intersect, total
+from .text import format_bytes
 
 __all__ = [
-    "Collective", "Transfer", "ReduceScatter", "AllReduce", "Reduce", "Gather", "Exchange",
-    "Plan", "RankPlan", "plan", "plan_for_rank", "backward_plan", "backward_layouts",
-    "plan_groups", "plan_tilings", "check_sizes", "size_arguments", "format_bytes",
+    "Collective", "Transfer", "Step", "STEPS", "kind_of", "ReduceScatter", "AllReduce", "Reduce",
+    "Gather", "Exchange", "Plan", "RankPlan", "plan", "plan_for_rank", "backward_plan",
+    "backward_layouts", "plan_groups", "plan_tilings", "check_sizes", "size_arguments",
+    "format_bytes",
 ]
 
 
-class Collective(str, Enum):
-    """The collectives a plan step can lower to."""
+# -- the steps: one class per collective kind ----------------------------------------------
+Delivery = tuple[int, Box, tuple[int, ...]]  # (receiver, box, senders)
+BoxMap = Callable[[Box], Box]
 
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_REDUCE = "all_reduce"
-    ALL_TO_ALL = "all_to_all"
+STEPS: dict[Collective, type[Step]] = {}
 
 
-def _shared_traffic(step, reduce: bool, gather: bool):
-    """Per-rank ``(sent, received)`` elements of a step over groups: a reduce-scatter
-    member receives every other member's partials of its share and sends its partials
-    of the others' shares; an all-gather member receives every other share and sends
-    its own to each other member; an all-reduce is both."""
-    for g, ranks in enumerate(step.groups):
-        vols = [sum(map(box_volume, part)) for part in step.shares[g]]
-        k, total = len(ranks), sum(vols)
-        for rank, vol in zip(ranks, vols):
-            sent = recv = 0
-            if reduce:
-                recv += (k - 1) * vol
-                sent += total - vol
-            if gather:
-                recv += total - vol
-                sent += (k - 1) * vol
-            yield rank, sent, recv
+class Step(ABC):
+    """One step of a plan: one collective kind, and everything that kind means.
+
+    A subclass that sets ``kind`` is *the* step of that kind (:data:`STEPS`); the
+    interpreters dispatch on it once and ask the step the rest: which ranks it runs on
+    (:attr:`rank_groups`), its part for one rank (:meth:`restrict`), what it leaves where
+    (:meth:`deliveries`, which the reference executor runs), what crosses the wire
+    (:meth:`pairs`, from which :meth:`traffic` and the plan's bytes follow), the
+    bandwidth-optimal cost of a reduction (:meth:`reduction_bound`) and how it prints
+    (:meth:`describe`, :meth:`summary`). A class of no registered kind is no step:
+    :func:`kind_of` names it.
+    """
+
+    kind: ClassVar[Collective]
+    reduces: ClassVar[bool] = False  # sums partial values: members keep only its deliveries
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("kind")
+        if kind is None:
+            return  # a base of several steps (Reduce)
+        if not isinstance(kind, Collective) or kind in STEPS:
+            taken = f"already {STEPS[kind].__name__}'s" if kind in STEPS else "not a Collective"
+            raise TypeError(f"step class {cls.__name__}: kind {kind!r} is {taken}; each "
+                            f"Collective has exactly one step class")
+        STEPS[kind] = cls
+
+    @property
+    @abstractmethod
+    def rank_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The groups of ranks it runs on, each issuing the collective together."""
+
+    @abstractmethod
+    def restrict(self, rank: int, box: BoxMap | None = None) -> Step:
+        """The step keeping only the groups or transfers ``rank`` takes part in (its
+        boxes mapped by ``box``, e.g. to symbolic ones)."""
+
+    @abstractmethod
+    def deliveries(self) -> Iterator[Delivery]:
+        """``(receiver, box, senders)``: after the step, ``receiver`` holds ``box``, the sum
+        of the senders' values of it (one sender: a copy). A step that :attr:`reduces`
+        leaves its members nothing else."""
+
+    @abstractmethod
+    def pairs(self) -> Iterator[tuple[int, int, int]]:
+        """``(sender, receiver, elements)`` it puts on the wire (pairs may repeat)."""
+
+    def traffic(self) -> Iterator[tuple[int, int, int]]:
+        """``(rank, elements sent, elements received)`` per rank in :meth:`pairs`."""
+        sent: dict[int, int] = defaultdict(int)
+        recv: dict[int, int] = defaultdict(int)
+        for sender, receiver, n in self.pairs():
+            sent[sender] += n
+            recv[receiver] += n
+        for rank in sent.keys() | recv.keys():
+            yield rank, sent[rank], recv[rank]
+
+    def reduction_bound(self) -> Iterator[tuple[int, int]]:
+        """``(rank, elements)``: the bandwidth-optimal volume of its reduction per member
+        (none unless it reduces)."""
+        return iter(())
+
+    @abstractmethod
+    def describe(self, plan: Plan) -> str:
+        """Its line of ``str(plan)``, boxes in ``plan``'s dims."""
+
+    def summary(self) -> str:
+        """A short account for the explainer: the kind and its groups' sizes."""
+        sizes = sorted({len(g) for g in self.rank_groups})
+        return (f"{self.kind.value} in {len(self.rank_groups)} group(s) of "
+                f"{'/'.join(map(str, sizes))}")
 
 
-def _shared_pairs(step, reduce: bool, gather: bool):
-    """``(sender, receiver, elements)`` of a step over groups (see :func:`_shared_traffic`)."""
+def kind_of(step: object) -> Collective:
+    """``step``'s kind, checked: its class must be the step class of that kind, so an
+    unknown step is an error here, never taken for (or printed as) another kind."""
+    kind = getattr(type(step), "kind", None)
+    if isinstance(kind, Collective) and STEPS.get(kind) is type(step):
+        return kind
+    known = ", ".join(cls.__name__ for cls in STEPS.values())
+    raise MimoFxError(f"{type(step).__qualname__} is not a plan step: a plan's steps are "
+                      f"{known} (one class per Collective, each subclassing "
+                      f"mimo_fx.plan.Step); got {step!r:.120}")
+
+
+def _mine(groups: tuple[tuple[int, ...], ...], rank: int) -> list[int]:
+    return [g for g, ranks in enumerate(groups) if rank in ranks]
+
+
+def _mapped(boxes: tuple[Box, ...], box: BoxMap | None) -> tuple[Box, ...]:
+    return boxes if box is None else tuple(map(box, boxes))
+
+
+def _shared_pairs(step: Gather | Reduce, reduce: bool, gather: bool):
+    """``(sender, receiver, elements)`` of a step over groups: a reduce-scatter member
+    receives every other member's partials of its share, an all-gather member every other
+    member's share; an all-reduce is both."""
     for ranks, parts in zip(step.groups, step.shares):
         vols = [sum(map(box_volume, part)) for part in parts]
         for i, sender in enumerate(ranks):
@@ -98,18 +176,50 @@ def _shared_pairs(step, reduce: bool, gather: bool):
                     yield sender, receiver, n
 
 
-def _reduction_bound(step, factor: int):
-    """``(rank, elements)``: the bandwidth-optimal volume of a reduction per member: a
-    reduce-scatter of a region R over k ranks receives (k-1)/k of R (``factor`` 1), an
-    all-reduce twice that (``factor`` 2)."""
-    for ranks, region in zip(step.groups, step.regions):
-        k, volume = len(ranks), sum(map(box_volume, region))
-        for rank in ranks:
-            yield rank, factor * -(-(k - 1) * volume // k)
+def _shares_text(plan: Plan, step: Gather | Reduce) -> str:
+    """The first group's shares (up to four), for :meth:`Step.describe`."""
+    return " | ".join(", ".join(plan.describe_box(b) for b in part) or "-"
+                      for part in step.shares[0][:4])
+
+
+class Reduce(Step):
+    """A step that sums partial values inside each group: ``regions[g]`` is the group's
+    common region, ``shares[g][i]`` member ``i``'s share of it."""
+
+    groups: tuple[tuple[int, ...], ...]
+    regions: tuple[tuple[Box, ...], ...]
+    shares: tuple[tuple[tuple[Box, ...], ...], ...]
+
+    reduces = True
+    factor: ClassVar[int]  # the bandwidth-optimal volume per member, in (k-1)/k regions
+
+    @property
+    def rank_groups(self) -> tuple[tuple[int, ...], ...]:
+        return self.groups
+
+    def restrict(self, rank: int, box: BoxMap | None = None) -> Reduce:
+        keep = _mine(self.groups, rank)
+        cls: Any = type(self)  # a dataclass of these three fields
+        return cls(tuple(self.groups[g] for g in keep),
+                   tuple(_mapped(self.regions[g], box) for g in keep),
+                   tuple(tuple(_mapped(p, box) for p in self.shares[g]) for g in keep))
+
+    def reduction_bound(self) -> Iterator[tuple[int, int]]:
+        """A reduce-scatter of a region R over k ranks receives (k-1)/k of R per member,
+        an all-reduce twice that."""
+        for ranks, region in zip(self.groups, self.regions):
+            k, volume = len(ranks), sum(map(box_volume, region))
+            for rank in ranks:
+                yield rank, self.factor * -(-(k - 1) * volume // k)
+
+    def describe(self, plan: Plan) -> str:
+        what = " + ".join(plan.describe_box(b) for b in self.regions[0])
+        return (f"{self.kind.value} over {_fmt_groups(self.groups)}: region {what}; "
+                f"shares {_shares_text(plan, self)}")
 
 
 @dataclass(frozen=True)
-class ReduceScatter:
+class ReduceScatter(Reduce):
     """Sum partial values inside each group: ``regions[g]`` is the group's common
     region, and member ``i`` of ``groups[g]`` keeps the sum over ``shares[g][i]``."""
 
@@ -118,25 +228,20 @@ class ReduceScatter:
     shares: tuple[tuple[tuple[Box, ...], ...], ...]
 
     kind = Collective.REDUCE_SCATTER
+    factor = 1
 
-    @property
-    def rank_groups(self) -> tuple[tuple[int, ...], ...]:
-        return self.groups
+    def deliveries(self) -> Iterator[Delivery]:
+        for ranks, parts in zip(self.groups, self.shares):
+            for rank, part in zip(ranks, parts):
+                for b in part:
+                    yield rank, b, ranks
 
-    def traffic(self):
-        """``(rank, elements sent, elements received)`` per member."""
-        return _shared_traffic(self, True, False)
-
-    def pairs(self):
-        """``(sender, receiver, elements)`` per pair that exchanges anything."""
+    def pairs(self) -> Iterator[tuple[int, int, int]]:
         return _shared_pairs(self, True, False)
-
-    def reduction_bound(self):
-        return _reduction_bound(self, 1)
 
 
 @dataclass(frozen=True)
-class AllReduce:
+class AllReduce(Reduce):
     """Sum partial values inside each group; every member keeps the sum over the whole
     region ``regions[g]``. It is a reduce-scatter of ``shares[g]`` fused with the
     all-gather of the same shares, and costs both."""
@@ -146,26 +251,20 @@ class AllReduce:
     shares: tuple[tuple[tuple[Box, ...], ...], ...]
 
     kind = Collective.ALL_REDUCE
+    factor = 2
 
-    @property
-    def rank_groups(self) -> tuple[tuple[int, ...], ...]:
-        return self.groups
+    def deliveries(self) -> Iterator[Delivery]:
+        for ranks, region in zip(self.groups, self.regions):
+            for rank in ranks:
+                for b in region:
+                    yield rank, b, ranks
 
-    def traffic(self):
-        return _shared_traffic(self, True, True)
-
-    def pairs(self):
+    def pairs(self) -> Iterator[tuple[int, int, int]]:
         return _shared_pairs(self, True, True)
-
-    def reduction_bound(self):
-        return _reduction_bound(self, 2)
-
-
-Reduce = ReduceScatter | AllReduce  # the steps that sum partial values
 
 
 @dataclass(frozen=True)
-class Gather:
+class Gather(Step):
     """All-gather inside each group: member ``i`` contributes ``shares[g][i]``."""
 
     groups: tuple[tuple[int, ...], ...]
@@ -177,18 +276,28 @@ class Gather:
     def rank_groups(self) -> tuple[tuple[int, ...], ...]:
         return self.groups
 
-    def traffic(self):
-        return _shared_traffic(self, False, True)
+    def restrict(self, rank: int, box: BoxMap | None = None) -> Gather:
+        keep = _mine(self.groups, rank)
+        return Gather(tuple(self.groups[g] for g in keep),
+                      tuple(tuple(_mapped(p, box) for p in self.shares[g]) for g in keep))
 
-    def pairs(self):
+    def deliveries(self) -> Iterator[Delivery]:
+        for ranks, parts in zip(self.groups, self.shares):
+            for rank in ranks:
+                for sender, part in zip(ranks, parts):
+                    for b in part:
+                        yield rank, b, (sender,)
+
+    def pairs(self) -> Iterator[tuple[int, int, int]]:
         return _shared_pairs(self, False, True)
 
-    def reduction_bound(self):
-        return iter(())
+    def describe(self, plan: Plan) -> str:
+        return (f"{self.kind.value} over {_fmt_groups(self.groups)}: shares "
+                f"{_shares_text(plan, self)}")
 
 
 @dataclass(frozen=True)
-class Exchange:
+class Exchange(Step):
     """Point-to-point transfers, issued as one uneven all-to-all over ``ranks``."""
 
     transfers: tuple[Transfer, ...]
@@ -200,25 +309,40 @@ class Exchange:
     def rank_groups(self) -> tuple[tuple[int, ...], ...]:
         return (self.ranks,)
 
-    def traffic(self):
-        sent: dict[int, int] = defaultdict(int)
-        recv: dict[int, int] = defaultdict(int)
-        for t in self.transfers:
-            n = box_volume(t.box)
-            sent[t.src] += n
-            recv[t.dst] += n
-        for rank in sent.keys() | recv.keys():
-            yield rank, sent[rank], recv[rank]
+    def restrict(self, rank: int, box: BoxMap | None = None) -> Exchange:
+        """Every rank of the union still issues the all-to-all: only the transfers go."""
+        mine = tuple(t if box is None else replace(t, box=box(t.box))
+                     for t in self.transfers if rank in (t.src, t.dst))
+        return Exchange(mine, self.ranks)
 
-    def pairs(self):
+    def deliveries(self) -> Iterator[Delivery]:
+        for t in self.transfers:
+            yield t.dst, t.box, (t.src,)
+
+    def pairs(self) -> Iterator[tuple[int, int, int]]:
         for t in self.transfers:
             yield t.src, t.dst, box_volume(t.box)
 
-    def reduction_bound(self):
-        return iter(())
+    def describe(self, plan: Plan) -> str:
+        pairs = sorted({(t.src, t.dst) for t in self.transfers})
+        shown = ", ".join(f"{s}->{d}" for s, d in pairs[:8])
+        more = f", ... ({len(pairs)} pairs)" if len(pairs) > 8 else ""
+        return (f"{self.kind.value} over {len(self.ranks)} ranks, {len(self.transfers)} "
+                f"transfers: {shown}{more}")
+
+    def summary(self) -> str:
+        return f"{self.kind.value} over {len(self.ranks)} ranks ({len(self.transfers)} transfers)"
 
 
-Step = ReduceScatter | AllReduce | Gather | Exchange
+def _fmt_groups(groups) -> str:
+    shown = " ".join("(" + ",".join(map(str, g)) + ")" for g in groups[:4])
+    more = f" ... {len(groups)} groups" if len(groups) > 4 else ""
+    return shown + more
+
+
+def _check_steps(steps: tuple[Step, ...]) -> None:
+    for step in steps:
+        kind_of(step)
 
 
 @dataclass(frozen=True, eq=False)
@@ -238,6 +362,9 @@ class Plan:
     hold: Tiling = field(repr=False)
     need: Tiling = field(repr=False)
     reduced_axes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_steps(self.steps)
 
     # -- cost ----------------------------------------------------------------------------
     @cached_property
@@ -324,7 +451,7 @@ class Plan:
     def for_rank(self, rank: int) -> RankPlan:
         """The part of this plan ``rank`` takes part in (see :class:`RankPlan`)."""
         return RankPlan(self.src, self.dst, self.dims, self.sizes, self.itemsize,
-                        tuple(_restrict(s, rank) for s in self.steps), self.hold, self.need,
+                        tuple(s.restrict(rank) for s in self.steps), self.hold, self.need,
                         self.reduced_axes, rank)
 
     # -- printing ------------------------------------------------------------------------
@@ -347,30 +474,13 @@ class Plan:
         if not self.steps:
             lines.append("  1. local: every dst rank slices what it holds (no communication)")
         for i, step in enumerate(self.steps, 1):
-            lines.append(f"  {i}. {self._describe_step(step)}")
+            lines.append(f"  {i}. {step.describe(self)}")
         lines.append(
             f"  cost: max recv {format_bytes(self.max_recv)}/rank (lower bound "
             f"{format_bytes(self.max_lower_bound)}), max sent {format_bytes(self.max_sent)}/rank, "
             f"total {format_bytes(self.total_bytes)}, {len(self.steps)} collective(s)"
         )
         return "\n".join(lines)
-
-    def _describe_step(self, step: Step) -> str:
-        if isinstance(step, Exchange):
-            pairs = sorted({(t.src, t.dst) for t in step.transfers})
-            shown = ", ".join(f"{s}->{d}" for s, d in pairs[:8])
-            more = f", ... ({len(pairs)} pairs)" if len(pairs) > 8 else ""
-            return (f"all_to_all over {len(step.ranks)} ranks, {len(step.transfers)} transfers: "
-                    f"{shown}{more}")
-        groups = _fmt_groups(step.groups)
-        first = step.shares[0]
-        shares = " | ".join(
-            ", ".join(self.describe_box(b) for b in part) or "-" for part in first[:4]
-        )
-        if isinstance(step, Reduce):
-            what = " + ".join(self.describe_box(b) for b in step.regions[0])
-            return f"{step.kind.value} over {groups}: region {what}; shares {shares}"
-        return f"all_gather over {groups}: shares {shares}"
 
 
 @dataclass(frozen=True)
@@ -396,33 +506,8 @@ class RankPlan:
     reduced_axes: tuple[str, ...] = ()
     rank: int = 0
 
-
-def _restrict(step: Step, rank: int) -> Step:
-    """``step`` keeping only the groups or transfers ``rank`` takes part in."""
-    if isinstance(step, Exchange):
-        mine = tuple(t for t in step.transfers if rank in (t.src, t.dst))
-        return Exchange(mine, step.ranks)
-    keep = [g for g, ranks in enumerate(step.groups) if rank in ranks]
-    groups = tuple(step.groups[g] for g in keep)
-    shares = tuple(step.shares[g] for g in keep)
-    if isinstance(step, Gather):
-        return Gather(groups, shares)
-    return type(step)(groups, tuple(step.regions[g] for g in keep), shares)
-
-
-def _fmt_groups(groups) -> str:
-    shown = " ".join("(" + ",".join(map(str, g)) + ")" for g in groups[:4])
-    more = f" ... {len(groups)} groups" if len(groups) > 4 else ""
-    return shown + more
-
-
-def format_bytes(n: float, digits: int = 1) -> str:
-    """``n`` bytes in B, KiB, MiB or GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
-        n /= 1024
-    raise AssertionError
+    def __post_init__(self) -> None:
+        _check_steps(self.steps)
 
 
 # -- entry points --------------------------------------------------------------------------
@@ -436,8 +521,13 @@ def plan(src: Layout, dst: Layout, sizes: Mapping[str, Size], dtype=None, *,
     union instead (for a caller without those groups' process groups). Pure and cached:
     equal arguments return the same object.
     """
+    from .rows import is_row_layout, plan_layouts
+
+    if is_row_layout(src) or is_row_layout(dst):
+        return plan_layouts(src, dst, sizes, _itemsize(dtype))  # type: ignore[return-value]
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
-        raise MimoFxError(f"plan needs two Layouts, got {src!r} and {dst!r}")
+        raise MimoFxError(f"plan needs two layouts, got {src!r} and {dst!r}; build them "
+                          f"with Layout(Grid(...), \"(dp b) s h\") (or PackedLayout)")
     return _plan(src, dst, check_sizes(src, dst, sizes), _itemsize(dtype), all_to_all)
 
 
@@ -473,8 +563,14 @@ def backward_plan(
     """The adjoint plan: dst cotangents -> src* (src with partial axes replicated).
 
     Cotangents on dst's replicated axes are taken as consistent, except over the axes in
-    ``grad_partial``, where each replica holds a contribution and they are summed.
+    ``grad_partial``, where each replica holds a contribution and they are summed. For
+    a packed layout on a side, the row plan holding both directions.
     """
+    from .rows import is_row_layout, plan_layouts
+
+    if is_row_layout(src) or is_row_layout(dst):
+        return plan_layouts(src, dst, sizes, _itemsize(dtype),  # type: ignore[return-value]
+                            tuple(grad_partial))
     return plan(*backward_layouts(src, dst, grad_partial), sizes, dtype)
 
 
@@ -495,9 +591,9 @@ def plan_groups(src: Layout, dst: Layout, sizes: Mapping[str, Size], *,
     groups: list[tuple[int, ...]] = []
     if f.reduce_axes:
         groups += _groups(f.src, f.reduce_axes, None)
-    if f.kind == "all_to_all":
+    if f.kind is Collective.ALL_TO_ALL:
         groups.append(f.union)
-    elif f.kind == "all_gather" and not f.fused:
+    elif f.kind is Collective.ALL_GATHER and not f.fused:
         groups += _exchange_gather(f, None).groups
     if f.gather_axes:
         groups += _groups(f.dst, f.gather_axes, None)
@@ -566,16 +662,20 @@ def _check_size(dim: str, n, ragged: bool = False, prefix: str = "") -> None:
         n = tuple(n)
     if _symbolic(n):
         return
+    from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
+
     if ragged:
+        # (a traced count that may be anything passes: a run-time check covers it)
         if isinstance(n, tuple) and n and all(
-                _symbolic(c) or (not isinstance(c, bool) and isinstance(c, int) and c >= 0)
+                _symbolic(c) or (not isinstance(c, bool) and isinstance(c, int)
+                                 and guard_or_true(c >= 0))
                 for c in n):
             return
         what = "a tuple" if not isinstance(n, tuple) else "a non-empty tuple"
         raise MimoFxError(f"{prefix}dim {dim!r} is cut ragged, so its size is a tuple of "
                           f"counts: {dim}={n!r} must be {what} of non-negative integers "
                           f"(one per ragged shard, or per segment)")
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+    if isinstance(n, bool) or not isinstance(n, int) or guard_or_false(n <= 0):
         raise MimoFxError(f"{prefix}size {dim}={n!r} must be a positive integer (the global "
                           f"size)")
 
@@ -628,7 +728,7 @@ class _Frame:
     exchange: Geometry  # what the exchange delivers: need, or its first phase's share
     reduce_axes: tuple[str, ...]
     gather_axes: tuple[str, ...]  # the second phase's axes (disjoint grids only)
-    kind: str | None    # the exchange: None, "all_gather" or "all_to_all"
+    kind: Collective | None  # the exchange: None, ALL_GATHER or ALL_TO_ALL
     fused: bool         # reduce-scatter + all-gather of the same shares: one all-reduce
 
     @cached_property
@@ -668,9 +768,9 @@ def _frame(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...],
         hold = hold.refine(cut, reduce_axes)
     geometry = Geometry(hold, want, kept)
     kind = geometry.kind()
-    if all_to_all and kind == "all_gather":
-        kind = "all_to_all"
-    fused = (cut is not None and kind == "all_gather"
+    if all_to_all and kind is Collective.ALL_GATHER:
+        kind = Collective.ALL_TO_ALL
+    fused = (cut is not None and kind is Collective.ALL_GATHER
              and _fusable(before, want, cut, reduce_axes))
     return _Frame(src, dst, dims, before, hold, need, geometry, reduce_axes, gather_axes, kind,
                   fused)
@@ -760,9 +860,9 @@ def _steps(f: _Frame, rank: int | None) -> tuple[Step, ...]:
         steps.append(AllReduce(rs.groups, rs.regions, rs.shares))
     elif f.reduce_axes:
         steps.append(_reduce_step(f, rank))
-    if f.kind == "all_to_all":
+    if f.kind is Collective.ALL_TO_ALL:
         steps.append(Exchange(_transfers(f, rank), f.union))
-    elif f.kind == "all_gather" and not f.fused:
+    elif f.kind is Collective.ALL_GATHER and not f.fused:
         steps.append(_exchange_gather(f, rank))
     if f.gather_axes:
         steps.append(_phase_two(f, rank))

@@ -32,16 +32,15 @@ do not fit (uneven cuts, a ragged dim that an even cut splits) are planned one b
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from math import gcd, lcm
 from typing import Any
 
 from .layout import Layout
 from .plan import (
-    Exchange,
-    Gather,
     Plan,
     RankPlan,
+    Step,
     backward_layouts,
     plan,
     plan_for_rank,
@@ -100,20 +99,9 @@ class Symbolizer:
         return tuple(tuple(self.interval(k, iv) for iv in seg)
                      for k, seg in enumerate(segments))
 
-    def step(self, step, rank: int):
+    def step(self, step: Step, rank: int) -> Step:
         """``step`` cut down to what ``rank`` takes part in, its boxes symbolic."""
-        if isinstance(step, Exchange):
-            mine = tuple(replace(t, box=self.box(t.box)) for t in step.transfers
-                         if rank in (t.src, t.dst))
-            return replace(step, transfers=mine)
-        groups = [g for g, ranks in enumerate(step.groups) if rank in ranks]
-        shares = tuple(tuple(tuple(self.box(b) for b in part) for part in step.shares[g])
-                       for g in groups)
-        picked = tuple(step.groups[g] for g in groups)
-        if isinstance(step, Gather):
-            return replace(step, groups=picked, shares=shares)
-        regions = tuple(tuple(self.box(b) for b in step.regions[g]) for g in groups)
-        return replace(step, groups=picked, shares=shares, regions=regions)
+        return step.restrict(rank, self.box)
 
 
 def _even_map(granule: int, var: Expr, dim: str) -> Callable[[int], Num]:

@@ -10,7 +10,7 @@ This module imports no backend: the backends import it.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -20,14 +20,12 @@ __all__ = ["Executor", "apply"]
 class Executor(Protocol):
     """Runs a plan, or its lowered form, on local tensors (one per src holder it serves);
     a template program's numbers at ``env`` (``{variable: value}``, see
-    :mod:`mimo_fx.sizes`)."""
+    :mod:`mimo_fx.sizes`); ``direction`` is ``"forward"`` or ``"backward"``. An executor
+    given ``aux`` tensors by :func:`apply` is called as ``run(plan, tensors, env, aux,
+    direction=...)`` in both directions."""
 
-    def run(self, plan, tensors: tuple[torch.Tensor, ...],
-            env: dict | None = None) -> tuple[torch.Tensor, ...]:
+    def run(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
         ...
-
-    # an executor given ``aux`` tensors by :func:`apply` is called as
-    # ``run(plan, tensors, env, aux)`` in both directions
 
 
 class _Redistribute(torch.autograd.Function):
@@ -41,14 +39,16 @@ class _Redistribute(torch.autograd.Function):
         executor, fwd, _, variables, values, n_aux = job
         env = _env(variables, values)
         if not n_aux:
-            return tuple(executor.run(fwd, tensors, env))
+            return tuple(executor.run(fwd, tensors, env, direction="forward"))
         cut = len(tensors) - n_aux
-        return tuple(executor.run(fwd, tensors[:cut], env, tensors[cut:]))
+        return tuple(executor.run(fwd, tensors[:cut], env, tensors[cut:],
+                                  direction="forward"))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.job = inputs[0]
         n_aux = ctx.job[5]
+        ctx.shapes = [t.shape for t in inputs[1:len(inputs) - n_aux]]
         if n_aux:
             ctx.save_for_backward(*inputs[len(inputs) - n_aux:])
 
@@ -58,9 +58,24 @@ class _Redistribute(torch.autograd.Function):
         grads = tuple(g.contiguous() for g in grads)
         with torch.no_grad():
             if not n_aux:
-                return (None, *executor.run(bwd, grads, _env(variables, values)))
-            out = executor.run(bwd, grads, _env(variables, values), ctx.saved_tensors)
+                out = executor.run(bwd, grads, _env(variables, values), direction="backward")
+            else:
+                out = executor.run(bwd, grads, _env(variables, values), ctx.saved_tensors,
+                                   direction="backward")
+        # a rank holding no piece gets an empty gradient: of its input's shape (whatever
+        # empty tensor it passed)
+        out = tuple(_like_input(g, s) for g, s in zip(out, ctx.shapes))
         return (None, *out, *(None,) * n_aux)
+
+
+def _like_input(g: torch.Tensor, shape) -> torch.Tensor:
+    """``g``, or an empty gradient of the input's ``shape`` where ``g`` is empty."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
+
+    if len(g.shape) == len(shape) and all(statically_known_true(a == b)
+                                          for a, b in zip(g.shape, shape)):
+        return g
+    return g.new_zeros(shape) if guard_or_false(g.numel() == 0) else g
 
 
 def _env(variables, values) -> dict | None:

@@ -31,6 +31,7 @@ from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
 from mimo_fx.local import infer_sizes
 from mimo_fx.regions import total
+from mimo_fx.rows import is_row_layout
 
 __all__ = ["shard", "unshard", "shard_index"]
 
@@ -80,13 +81,30 @@ def _flatten_pattern(layout: Layout) -> str:
     return " ".join(g if " " not in g else f"({g})" for g in groups)
 
 
-def shard(x: torch.Tensor, layout: Layout, **counts: tuple[int, ...]) -> dict[int, torch.Tensor]:
-    """Every holder's piece of the global ``x`` (dims in the pattern's order).
+def shard(x: torch.Tensor, layout: Layout, *, rank: int | None = None,
+          **counts: tuple[int, ...]):
+    """Every holder's piece of the global ``x`` (dims in the pattern's order), or with
+    ``rank`` that rank's piece alone (what a training script takes of a global batch:
+    e.g. an encoder rank's images, ``rank=r, i=images_per_sample`` for a layout ragged
+    over per-sample counts).
 
     Under a partial layout the piece at partial index 0 holds the values and the other
     members of the partial group hold zeros, so the pieces sum to ``x``. A ragged dim
-    needs its counts as a keyword (``t=(3, 0, 5, 2)``, summing to its size).
+    needs its counts as a keyword (``t=(3, 0, 5, 2)``, summing to its size; one count
+    per shard, or per sample). A packed layout's piece is its rows of ``x`` (rows
+    flattened over its token dims), zero at padding (:func:`shard_rows`).
+
+    >>> from mimo_fx import Grid, Layout
+    >>> images = Layout(Grid(dp=2), "(dp i) c", ragged="dp")   # 4 samples: 2 per rank
+    >>> shard(torch.arange(5.0).unsqueeze(1), images, rank=1, i=(2, 0, 1, 2)).flatten()
+    tensor([2., 3., 4.])
     """
+    if rank is not None:
+        if not layout.holds(rank):
+            raise MimoFxError(f"shard: rank {rank} holds no piece of {layout.describe()!r}")
+        return shard(x, _only(layout, rank), **counts)[rank]  # type: ignore[arg-type]
+    if is_row_layout(layout):
+        return shard_rows(x, layout)
     if x.dim() != len(layout.dims):
         raise MimoFxError(f"shard: global tensor has {x.dim()} dims {tuple(x.shape)} but "
                           f"layout {layout.pattern!r} names {len(layout.dims)} dims "
@@ -104,7 +122,7 @@ def shard(x: torch.Tensor, layout: Layout, **counts: tuple[int, ...]) -> dict[in
                           f"counts, e.g. {missing[0]}=(...)")
     lhs, rhs = " ".join(layout.dims), _flatten_pattern(layout)
     out = {}
-    for rank in layout.holders:
+    for rank in getattr(layout, "_only", layout.holders):
         index = shard_index(layout, rank, sizes)
         piece = x[torch.meshgrid(*index, indexing="ij")] if x.dim() else x.clone()
         piece = einops.rearrange(piece, f"{lhs} -> {rhs}")
@@ -121,7 +139,10 @@ def unshard(
     """The global tensor from every holder's piece; replicas must agree (within ``atol``).
 
     Partial axes are summed. Sizes the local shapes cannot tell are keyword arguments.
+    A packed layout's rows are put back in place (its token dims flattened).
     """
+    if is_row_layout(layout):
+        return unshard_rows(pieces, layout, atol=atol)
     missing = [r for r in layout.holders if r not in pieces]
     extra = [r for r in pieces if r not in layout.holders]
     if missing or extra:
@@ -154,4 +175,68 @@ def unshard(
         seen[where] = True
     if not bool(seen.all()):
         raise MimoFxError(f"unshard: pieces do not cover the tensor under {layout.describe()!r}")
+    return out
+
+
+class _One:
+    """A layout that answers ``holders`` with one rank (the rest it takes from the
+    layout): :func:`shard` of one rank's piece computes no other."""
+
+    def __init__(self, layout, rank: int) -> None:
+        self._layout, self._only = layout, (rank,)
+
+    def __getattr__(self, name: str):
+        return getattr(self._layout, name)
+
+
+def _only(layout, rank: int):
+    if is_row_layout(layout):
+        return layout  # (its rows are a rank's own: one rank costs one rank)
+    return _One(layout, rank)
+
+
+# -- row layouts (a packed batch) ----------------------------------------------------------
+def _rows_of(layout, rank: int) -> torch.Tensor:
+    return layout.rows(rank)
+
+
+def shard_rows(x: torch.Tensor, layout) -> dict[int, torch.Tensor]:
+    """Every rank's piece of ``x`` (``(rows, *features)``, the rows flattened over the
+    layout's token dims): ``x[rows(rank)]``, zero where a local row holds none."""
+    if x.dim() == 0 or x.shape[0] != layout.n_rows:
+        raise MimoFxError(f"shard: x has shape {tuple(x.shape)}; its first dim must be the "
+                          f"{layout.n_rows} rows of {layout.describe()!r} (token dims "
+                          f"flattened)")
+    padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])  # row n: the zero row
+    out = {}
+    for rank in layout.holders:
+        rows = _rows_of(layout, rank)
+        out[rank] = padded[torch.where(rows >= 0, rows, layout.n_rows).to(x.device)]
+    return out
+
+
+def unshard_rows(pieces: dict[int, torch.Tensor], layout, *, atol: float = 0.0
+                 ) -> torch.Tensor:
+    """The rows ``(n_rows, *features)`` from every rank's piece (padding dropped);
+    replicas of a row must agree within ``atol``; every row must be held."""
+    missing = [r for r in layout.holders if r not in pieces]
+    if missing:
+        raise MimoFxError(f"unshard: {layout.describe()!r} needs every rank's piece; "
+                          f"missing {missing}")
+    sample = next(iter(pieces.values()))
+    out = sample.new_zeros((layout.n_rows, *sample.shape[1:]))
+    seen = torch.zeros(layout.n_rows, dtype=torch.bool)
+    for rank in layout.holders:
+        rows, piece = _rows_of(layout, rank), pieces[rank]
+        if piece.shape[0] != len(rows):
+            raise MimoFxError(f"unshard: rank {rank}'s piece has {piece.shape[0]} rows, its "
+                              f"layout gives it {len(rows)}")
+        real = rows >= 0
+        for g, row in zip(rows[real].tolist(), piece[real.to(piece.device)]):
+            if seen[g] and not torch.allclose(out[g], row, atol=atol, rtol=0):
+                raise MimoFxError(f"unshard: replicas disagree on row {g}")
+            out[g], seen[g] = row, True
+    if not bool(seen.all()):
+        raise MimoFxError(f"unshard: rows {torch.nonzero(~seen).flatten().tolist()[:8]} are "
+                          f"held by no rank")
     return out

@@ -82,7 +82,7 @@ def test_the_core_imports_no_backend():
     known = set(modules)
     upper = ("mimo_fx.compiled", "mimo_fx.reference", "mimo_fx.op", "mimo_fx.mimo", "mimo_fx.jobs",
              "mimo_fx.interop", "mimo_fx.testing")
-    for core in ("grid", "layout", "regions", "plan", "local", "vjp", "errors"):
+    for core in ("grid", "layout", "regions", "collective", "plan", "local", "vjp", "errors"):
         name = f"mimo_fx.{core}"
         above = {t for t in _imports(name, modules[name], known) if t.startswith(upper)}
         assert not above, f"{name} imports {above}"

@@ -45,16 +45,16 @@ def _run_case(rank: int, case: Case, device: str = "cpu") -> str | None:
                            f"rank {rank}: output")
         if problem:
             return problem
-        if fwd_calls != expected_calls(bridge.fwd, rank):
+        if fwd_calls != expected_calls(bridge.sizing.fwd, rank):
             return f"rank {rank}: {fwd_calls} collectives, plan says " \
-                   f"{expected_calls(bridge.fwd, rank)}"
+                   f"{expected_calls(bridge.sizing.fwd, rank)}"
         cot = shard(g, star(case.dst)).get(rank)
         start = trace.mark()
         y_dev.backward(cot.to(device) if cot is not None else torch.zeros_like(y_dev))
         bwd_calls = len(trace.since(start))
-        if bwd_calls != expected_calls(bridge.bwd, rank):
+        if bwd_calls != expected_calls(bridge.sizing.bwd, rank):
             return f"rank {rank}: backward issued {bwd_calls} collectives, plan says " \
-                   f"{expected_calls(bridge.bwd, rank)}"
+                   f"{expected_calls(bridge.sizing.bwd, rank)}"
         if local is not None:
             return mismatch(case, local.grad.cpu(), expected_input_grad(case, g)[rank],
                             f"rank {rank}: input gradient", exact=True)

@@ -4,12 +4,15 @@ Single-process tests check the conversions (against DTensor's own shard-size fun
 and the shared layout table) and every error. One spawned 8-rank gloo world runs the
 cross-mesh scenarios: each builds its source DTensor with DTensor's own sharding, moves it
 with ``mimo_fx.redistribute_dtensor(dtensor, dst_mesh, dst_placements)`` and compares values and
-gradients with full-tensor math and with DTensor's own sharding of the expected tensors.
+gradients with full-tensor math and with DTensor's own sharding of the expected tensors;
+the same world runs docs/examples/dtensor_mesh.py (docs/dtensor.md's example).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -490,9 +493,21 @@ def _world(rank: int, world: int, names: list[str]) -> dict:
     permuted = dtensor_layout(Layout(Grid(tp=2, dp=2, offset=4), "(tp dp b)"), {"b": 8})
     out["__device_mesh__"] = [(m.mesh.tolist(), m.mesh_dim_names) for m in
                               (row_major.device_mesh(), permuted.device_mesh())]
+    out["__example__"] = _example().move(rank, world)
     mimo_fx.compiled.destroy()
     out["__live_groups__"] = mimo_fx.compiled.live_groups()
     return out
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "dtensor_mesh.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("dtensor_mesh", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -534,3 +549,14 @@ def test_device_mesh_from_layout(world_results):
     """DTensorLayout.device_mesh builds the mesh whose ranks the grid names."""
     expected = [([[0, 1], [2, 3], [4, 5], [6, 7]], ("dp", "tp")), ([[4, 6], [5, 7]], ("tp", "dp"))]
     assert all(r["__device_mesh__"] == expected for r in world_results)
+
+
+def test_the_docs_example_moves_pieces_and_gradients(world_results):
+    """docs/examples/dtensor_mesh.py (docs/dtensor.md's example): cp rank c holds columns
+    2c, 2c+1 of X; each (dp, tp) rank gets back its dp rows of the gradient 2X."""
+    x = torch.arange(32.0).reshape(4, 8)
+    for rank, (piece, grad) in enumerate(r["__example__"] for r in world_results):
+        if rank < 4:
+            assert piece is None and torch.equal(grad, 2 * x.tensor_split(2)[rank // 2])
+        else:
+            assert grad is None and torch.equal(piece, x.tensor_split(4, dim=1)[rank - 4])

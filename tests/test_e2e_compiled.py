@@ -11,8 +11,8 @@ variable variant compiles at most 2 graphs for every length. The pp_1f1b variant
 compiled by inductor, ``loss.backward()`` per micro-batch, one graph per stage. The
 packed variant draws a new batch every step (0-3 images per sample, varying text, packed
 over CP2 per sequence with zigzag) and runs its step under inductor with
-``loss.backward()`` in one graph for every batch, the images delivered by an index-mapped
-bridge at least CP times below the seed scheme's bytes.
+``loss.backward()`` in one graph for every batch, the images delivered by a
+redistribute into a packed layout at least CP times below the seed scheme's bytes.
 """
 
 from __future__ import annotations

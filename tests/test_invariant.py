@@ -30,6 +30,7 @@ from harness import (
     oracle_data,
 )
 
+from mimo_fx import Collective
 from mimo_fx.reference import shard
 
 pytestmark = pytest.mark.slow  # spawned worlds, long: not in the fast subset (tests/README.md)
@@ -152,7 +153,8 @@ def _world(rank: int, world: int, names: list[str], backends: tuple[str, ...]) -
             for backend in compilers:
                 compiled.use = backend
                 _steps(rank, cases, bridges, step, backend, mode, out)
-    expected = sum(expected_calls(b.fwd, rank) + expected_calls(b.bwd, rank) for b in bridges)
+    expected = sum(expected_calls(b.sizing.fwd, rank) + expected_calls(b.sizing.bwd, rank)
+                   for b in bridges)
     for bridge in bridges:
         bridge.destroy()
     return {"runs": out, "expected": expected}
@@ -194,7 +196,7 @@ def test_group_members_issue_the_same_sequence(world_runs, backend, mode):
         for rank, run in enumerate(per_rank):
             for kind, ranks, numel in run["calls"]:
                 # all-to-all sizes differ per member by design; the others must agree
-                size = None if kind == "all_to_all" else numel
+                size = None if kind == Collective.ALL_TO_ALL else numel
                 seen[tuple(ranks)].setdefault(rank, []).append((kind, size))
         for ranks, by_rank in seen.items():
             assert set(by_rank) == set(ranks), \

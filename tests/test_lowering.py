@@ -17,7 +17,7 @@ from cases import CASES, Case, case_ids, star
 from harness import expected_input_grad, mismatch, oracle_data
 from threads import run_plan
 
-from mimo_fx import Grid, Layout, plan
+from mimo_fx import Collective, Grid, Layout, plan
 from mimo_fx.compiled import lowering as lower_mod
 from mimo_fx.compiled.lowering import Cat, Scatter, View, coalesce
 from mimo_fx.plan import backward_plan
@@ -93,7 +93,7 @@ def test_unread_entries_are_not_materialised():
     dst = Layout(Grid(tp=2, cp=2, dp=2), "(dp b) (cp s) h", zigzag=("cp",))
     prog = lower_mod.lower(plan(src, dst, {"b": 8, "s": 16, "h": 4}), 0)
     (op,) = prog.ops
-    assert op.kind == "all_gather" and None in op.unpack
+    assert op.kind is Collective.ALL_GATHER and None in op.unpack
 
 
 def test_large_nested_pieces_are_written_once_not_concatenated_twice():

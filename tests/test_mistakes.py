@@ -172,7 +172,8 @@ def test_unchecked_mistake_raises_on_its_rank_before_any_collective(scenarios, n
     ("learned_none_on_holder", ["the size exchange found", "rank 2 holds a piece of src",
                                 "passed None"]),
     ("learned_dtype", ["rank 3 passed a tensor of another dtype than torch.float32"]),
-    ("checked_given_disagree", ["the ranks made different calls (layouts, sizes",
+    ("checked_given_disagree", ["the ranks made different calls",
+                                "the sizes or batch a call gives differ",
                                 "one on ranks [0, 1, 2], another on rank 3"]),
 ])
 def test_sizes_that_disagree_raise_the_same_error_on_every_rank(scenarios, name, words):

@@ -27,7 +27,7 @@ from harness import box_mask, index_mask
 from hypothesis import given
 from test_properties import SETTINGS, pairs
 
-from mimo_fx import Grid, Layout, MimoFxError, backward_plan, plan
+from mimo_fx import Collective, Grid, Layout, MimoFxError, backward_plan, plan
 from mimo_fx.compiled.lowering import lower
 from mimo_fx.plan import (
     AllReduce,
@@ -117,7 +117,7 @@ def check_classified(p) -> None:
         return
     transfers = [t for r in p.dst.holders for t in f.exchange.receives(r)]
     groups = _gather_groups(transfers)
-    if f.kind == "all_gather":
+    if f.kind is Collective.ALL_GATHER:
         assert groups is not None
         shares = tuple(tuple(groups[g][r] for r in g) for g in sorted(groups))
         if f.fused:  # the reduce-scatter's groups and shares: those, and groups of nothing

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mimo_fx import Grid, MimoFxError
+from mimo_fx import Collective, Grid, MimoFxError
 from mimo_fx.mimo import (
     GradSync,
     MimoParallelism,
@@ -151,7 +151,7 @@ def _two_modules(rank: int, grids: dict[str, Grid], config: MimoParallelism | No
     calls = [c for c in trace.since(start)]
     sync.destroy()
     problems = []
-    want = [("all_reduce", b.ranks, b.numel) for b in sync.buckets]
+    want = [(Collective.ALL_REDUCE, b.ranks, b.numel) for b in sync.buckets]
     if [(c.kind, c.ranks, c.numel_in) for c in calls] != want:
         problems.append(f"collectives {calls}, expected one per bucket {want}")
     oracle = dict(zip(("enc", "llm"), _oracle()))

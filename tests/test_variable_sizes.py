@@ -14,18 +14,22 @@ number of Dynamo graphs asserted (at most 2: the first compile is static, the se
 marks the sizes dynamic; ragged counts get one graph when the ragged dim is marked
 unbacked). Also: the exchange runs only when a size is missing (Flight Recorder counts
 it), uneven learned sizes are exact, sizes given per call, eager sizes outside the
-template, and the bounded program cache. The inductor world runs (a) and (b) with
-``loss.backward()``.
+template, the bounded program cache, and docs/examples/variable_sizes.py (docs/sizes.md's
+example: 2 graphs, losses against full-tensor math). The inductor world runs (a) and (b)
+with ``loss.backward()``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
-from mimo_fx import Grid, Layout
+from mimo_fx import Collective, Grid, Layout
+from mimo_fx.reference import shard
 
 pytestmark = pytest.mark.slow  # spawned worlds, long: not in the fast subset (tests/README.md)
 
@@ -170,11 +174,11 @@ def _exchange_facts(rank: int) -> dict:
     y = bridge(x)                         # b, s learned: one exchange + the data
     learned = trace.since(start)
     start = trace.mark()
-    y2 = bridge(x, b=8, s=16)              # every size given: the data only
+    y2 = bridge(x, b=8, s=16)              # every size given: checked by one exchange
     given = trace.since(start)
-    out["exchange_only_when_sizes_are_missing"] = (
-        [c.kind for c in learned] == ["all_gather", "all_gather"]
-        and [c.kind for c in given] == ["all_gather"]
+    out["one_exchange_per_call_learned_or_given"] = (
+        [c.kind for c in learned] == [Collective.ALL_GATHER] * 2
+        and [c.kind for c in given] == [Collective.ALL_GATHER] * 2
         and learned[0].ranks == tuple(range(8)) and torch.equal(y, y2)
         and torch.equal(y, shard(X, dst)[rank]))
     # uneven sizes (b=7 over dp 4 and 2, s=10 not a multiple of the zigzag granule 4 is
@@ -185,7 +189,7 @@ def _exchange_facts(rank: int) -> dict:
     # many sizes: the program cache keeps the most recent ones only
     for s in range(4, 4 * (redistributor.CACHED_SIZES + 10), 4):
         bridge(shard(torch.zeros(8, s, 6, dtype=torch.float64), src)[rank], b=8, s=s)
-    out["cache_is_bounded"] = len(bridge._cache) == redistributor.CACHED_SIZES
+    out["cache_is_bounded"] = len(bridge.sizing._cache) == redistributor.CACHED_SIZES
     bridge.destroy()
     return out
 
@@ -231,39 +235,27 @@ def _outside_the_template(rank: int) -> dict:
     return out
 
 
-def _readme_example() -> str:
-    """The README's example of changing sizes, as a user pastes it."""
-    import pathlib
-
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    section = text[text.index("### Sizes that change every step"):]
-    return section[section.index("```python") + len("```python"):section.index("```\n\n")]
+EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "variable_sizes.py"
 
 
-def _run_readme_example(rank: int) -> dict:
-    """Run it as written: the world exists already (so ``init_process_group`` is
-    skipped), and torch.compile's default backend is aot_eager here (inductor is
-    tested on 4 ranks below)."""
-    import functools
+def _example():
+    spec = importlib.util.spec_from_file_location("variable_sizes", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
+
+def _run_example(rank: int, world: int) -> dict:
+    """docs/examples/variable_sizes.py (docs/sizes.md's example) as written, under
+    aot_eager (inductor is tested on 4 ranks below): its granules, graphs and losses."""
     import torch._dynamo as dynamo
-    import torch.distributed as dist
 
-    code = _readme_example()
-    original, init = torch.compile, dist.init_process_group
     dynamo.reset()
     before = _graphs()
-    scope: dict = {}
-    try:
-        torch.compile = functools.partial(original, backend="aot_eager")  # type: ignore
-        dist.init_process_group = lambda *a, **k: None  # type: ignore[assignment]
-        exec(compile(code, "README.md", "exec"), scope)
-    finally:
-        torch.compile, dist.init_process_group = original, init
-    out = {"granules": scope["bridge"].granules, "graphs": _graphs() - before,
-           "grad": scope["w"].grad is not None}
-    scope["bridge"].destroy()
-    return out
+    granules, losses, grad = _example().train(rank, world, backend="aot_eager")
+    return {"granules": granules, "graphs": _graphs() - before, "grad": grad,
+            "losses": losses}
 
 
 def _world8(rank: int, world: int) -> dict:
@@ -272,7 +264,7 @@ def _world8(rank: int, world: int) -> dict:
     torch._inductor.config.compile_threads = 1
     return {"a": _scenario_a(rank, "aot_eager"), "b": _scenario_b(rank, "aot_eager"),
             "c": _scenario_c(rank, "aot_eager"), "facts": _exchange_facts(rank),
-            "readme": _run_readme_example(rank), "outside": _outside_the_template(rank)}
+            "example": _run_example(rank, world), "outside": _outside_the_template(rank)}
 
 
 def _world4_inductor(rank: int, world: int) -> dict:
@@ -326,7 +318,7 @@ def test_ragged_counts_per_replica_equal_the_oracle(world8, case):
     assert [res["c"][case]["graphs"] for res in world8] == [1] * 8
 
 
-@pytest.mark.parametrize("fact", ["exchange_only_when_sizes_are_missing",
+@pytest.mark.parametrize("fact", ["one_exchange_per_call_learned_or_given",
                                   "uneven_sizes_learned_exactly", "cache_is_bounded"])
 def test_exchange_facts(world8, fact):
     assert all(res["facts"][fact] for res in world8), [res["facts"][fact] for res in world8]
@@ -338,9 +330,17 @@ def test_sizes_outside_the_template_compile_alone_and_stay_exact(world8):
         assert res["outside"]["ragged_to_cp_graphs"] == 2  # one per count pattern
 
 
-def test_the_readme_example_runs_in_at_most_two_graphs(world8):
-    for res in world8:
-        assert res["readme"] == {"granules": {"b": 4, "s": 4}, "graphs": 2, "grad": True}
+def test_the_docs_example_runs_in_two_graphs_and_equals_full_tensor_math(world8):
+    """docs/examples/variable_sizes.py: 4 lengths in 2 graphs on every rank, each rank's
+    loss the mean square of its dst piece of ``tanh(X @ W)``."""
+    example = _example()
+    dst = Layout(LLM, "(dp b) (cp s) h", zigzag="cp")
+    for rank, res in enumerate(world8):
+        got = res["example"]
+        assert (got["granules"], got["graphs"], got["grad"]) == ({"b": 4, "s": 4}, 2, True)
+        for s, loss in zip(example.LENGTHS, got["losses"]):
+            y = torch.tanh(example.batch(s) @ example.weight())
+            torch.testing.assert_close(loss, (shard(y, dst)[rank] ** 2).mean())
 
 
 @pytest.mark.parametrize("scenario", ["a", "b"])

@@ -1,9 +1,9 @@
 """Every rank's lowered program run at once in threads, collectives met in-process.
 
 The compiled backend's programs, without processes: each rank runs its program in a
-thread and the collectives meet in a rendezvous that computes them with plain tensor
-math. A mismatch of collectives between ranks (kinds, split sizes, a rank that never
-comes) fails with the ranks named.
+thread and the collectives meet in a rendezvous that computes them with the comm
+table's plain tensor math (``mimo_fx.compiled.comm.OPS``). A mismatch of collectives
+between ranks (kinds, split sizes, a rank that never comes) fails with the ranks named.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import threading
 import torch
 
 from mimo_fx.compiled import lowering
+from mimo_fx.compiled.comm import OPS, Comm
 from mimo_fx.compiled.executor import CompiledExecutor
 
 __all__ = ["ThreadComm", "run_programs", "run_plan"]
@@ -42,7 +43,7 @@ class _Rendezvous:
             return self.results[key][rank]
 
 
-class ThreadComm:
+class ThreadComm(Comm):
     """The comm of one rank (a thread) of a :class:`_Rendezvous`."""
 
     def __init__(self, world: _Rendezvous, rank: int) -> None:
@@ -52,45 +53,18 @@ class ThreadComm:
         post = (kind, flat.clone(), tuple(out_splits), tuple(in_splits))
         return self.world.collective(self.rank, ranks, post)
 
-    def all_gather(self, flat, ranks):
-        return self._post("all_gather", ranks, flat)
-
-    def reduce_scatter(self, flat, ranks):
-        return self._post("reduce_scatter", ranks, flat)
-
-    def all_reduce(self, flat, ranks):
-        return self._post("all_reduce", ranks, flat)
-
-    def all_to_all(self, flat, out_splits, in_splits, ranks):
-        return self._post("all_to_all", ranks, flat, out_splits, in_splits)
+    def collective(self, kind, flat, ranks, out_splits=(), in_splits=(), site=""):
+        return self._post(kind, ranks, flat, out_splits, in_splits)
 
 
 def _compute(members, posts) -> dict[int, torch.Tensor]:
+    """Every member's output, as the comm table's plain tensor math computes it."""
     kinds = {posts[r][0] for r in members}
-    flats = [posts[r][1] for r in members]
     assert len(kinds) == 1, f"members {members} issued different collectives {kinds}"
-    kind = kinds.pop()
-    n = len(members)
-    if kind == "all_gather":
-        assert len({f.numel() for f in flats}) == 1, "all_gather inputs differ in size"
-        return {r: torch.cat(flats) for r in members}
-    if kind == "all_reduce":
-        total = torch.stack(flats).sum(0)
-        return {r: total.clone() for r in members}
-    if kind == "reduce_scatter":
-        total = torch.stack(flats).sum(0)
-        return {r: c.clone() for r, c in zip(members, total.chunk(n))}
-    assert kind == "all_to_all"
-    out = {}
-    for j, r in enumerate(members):
-        pieces = []
-        for i, s in enumerate(members):
-            splits = posts[s][3]
-            assert posts[r][2][i] == splits[j], "all_to_all split sizes disagree"
-            start = sum(splits[:j])
-            pieces.append(flats[i][start:start + splits[j]])
-        out[r] = torch.cat(pieces)
-    return out
+    outs = OPS[kinds.pop()].compute([posts[r][1] for r in members],
+                                    [posts[r][2] for r in members],
+                                    [posts[r][3] for r in members])
+    return dict(zip(members, outs))
 
 
 def run_programs(programs: dict, inputs: dict[int, torch.Tensor], ndim: int,

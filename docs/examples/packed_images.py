@@ -3,17 +3,18 @@ processes: an encoder on DP2 (ranks 0-1), an LLM on CP2 (ranks 2-3).
 
     python docs/examples/packed_images.py
 
-The code between the ``# --`` markers is the README's example, verbatim (a test checks
-that, and checks what ``step`` returns against full-tensor math).
+The README and docs/packed.md show lines between the ``# --`` markers verbatim;
+tests/test_rows.py runs ``step`` and checks what it returns against full-tensor math.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mimo_fx import Grid
-from mimo_fx.compiled.index import IndexBridge
-from mimo_fx.packed import Packing, image_rows
+from mimo_fx import Grid, Layout, redistribute
+from mimo_fx.compiled import prepare
+from mimo_fx.packed import PackedLayout
+from mimo_fx.reference import shard
 
 
 def batch(step: int):
@@ -29,38 +30,29 @@ def batch(step: int):
 # -- packed images
 def step(rank: int, world: int, steps: int = 3, backend: str = "inductor"):  # world = 4
     enc, llm = Grid(dp=2), Grid(cp=2, offset=2)          # encoder ranks 0-1, LLM ranks 2-3
-    bridge = IndexBridge(range(world))                   # one group, every plan, eagerly
     w = torch.nn.Parameter(torch.eye(4))                 # the "encoder"
-
-    @torch.compile(backend=backend, fullgraph=True)      # one graph for every packing
-    def llm_input(features, route, local, text_local):
-        images = bridge(features @ w, route)             # exactly this rank's image rows
-        return text_local.index_copy(0, local, images)   # ... at their token positions
-
     out = []
+    src = Layout(enc, "(dp t) h", ragged="dp")           # a block of image rows per encoder rank
+    @torch.compile(backend=backend, fullgraph=True)      # one graph for every batch
+    def llm_input(features, images, where, text_local):
+        rows = redistribute(features @ w, src, images)   # this rank's image rows, in order
+        return text_local.index_copy(0, where, rows)     # ... at their token positions
+
     for k in range(steps):
         lengths, is_image, features, text = batch(k)
-        packing = Packing(lengths, cp=2)                 # per-sequence zigzag over cp
-        n = len(features)
-        src = {r: list(range(n))[r::2] for r in enc.ranks}        # image rows per encoder rank
-        rows = image_rows(packing, torch.nonzero(is_image).flatten())
-        dst = {llm.rank(cp=c): rows[c].rows for c in range(2)}
-        plan = bridge.plan(src, dst, n_rows=n)           # the same on every rank
-        mine = features[src.get(rank, [])]               # an LLM-only rank passes no rows
-        local = torch.zeros(0, dtype=torch.int64)
-        text_local = torch.zeros(0, 4)
-        if rank in llm:
-            c = llm.coord(rank)["cp"]
-            local = rows[c].local_rows
-            token = packing.token_index(c)               # -1 at padding
-            text_local = torch.where(token[:, None] >= 0, text[token.clamp(min=0)], 0.0)
-        for t in (mine, local, text_local):              # any length, 0 or 1 too
+        tokens = PackedLayout(llm, "t h", [lengths])     # zigzag over cp, sequence by sequence
+        images = tokens.select(torch.nonzero(is_image).flatten())  # row j: image token j
+        where = images.positions(rank) if rank in llm else torch.zeros(0, dtype=torch.int64)
+        if k == 0:
+            prepare(src, images)                         # process groups, eagerly, every rank
+        mine = features.tensor_split(2)[rank] if rank in enc else torch.zeros(0, 4)
+        text_local = shard(text, tokens)[rank] if rank in llm else torch.zeros(0, 4)
+        for t in (mine, where, text_local):              # any length, 0 or 1 too
             torch._dynamo.decorators.mark_unbacked(t, 0)
-        h = llm_input(mine, bridge.route(plan), local, text_local)
+        h = llm_input(mine, images, where, text_local)
         h.square().sum().backward()                      # the gradient returns to the encoders
         out.append((h.detach(), w.grad.clone()))
         w.grad = None
-    bridge.destroy()
     return out
 # --
 

@@ -38,7 +38,7 @@ from math import prod
 import torch
 
 from mimo_fx.errors import MimoFxError
-from mimo_fx.grid import Grid
+from mimo_fx.grid import _grid, _mesh_parts, grid_from_mesh
 from mimo_fx.layout import Layout
 from mimo_fx.op import is_dtensor
 from mimo_fx.regions import chunk_bounds, split_bounds
@@ -96,106 +96,6 @@ def _norm_dim(dim: int, ndim: int, where: str) -> int:
 
 
 # -- meshes ----------------------------------------------------------------------------------
-def _mesh_parts(mesh, mesh_dim_names) -> tuple[torch.Tensor, tuple[str, ...]]:
-    """The rank tensor and the dim names of a DeviceMesh, a rank tensor or nested lists."""
-    names = mesh_dim_names
-    if hasattr(mesh, "mesh") and hasattr(mesh, "mesh_dim_names"):  # a DeviceMesh
-        ranks = mesh.mesh
-        names = names if names is not None else mesh.mesh_dim_names
-    else:
-        try:
-            ranks = torch.as_tensor(mesh)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise MimoFxError(f"mesh {mesh!r}: give a DeviceMesh, a rank tensor or nested "
-                              f"lists of ranks ({err})") from None
-    if ranks.dim() == 0 or ranks.numel() == 0 or ranks.is_floating_point():
-        raise MimoFxError(f"mesh ranks {ranks.tolist()!r}: need an integer tensor with at "
-                          f"least one dim and one rank")
-    ranks = ranks.to(torch.int64).cpu()
-    if names is None:
-        names = tuple(f"m{i}" for i in range(ranks.dim()))
-    names = tuple(names)
-    if len(names) != ranks.dim():
-        raise MimoFxError(f"mesh of shape {tuple(ranks.shape)} has {ranks.dim()} dims but "
-                          f"{len(names)} names {names}")
-    for name in names:
-        if not isinstance(name, str) or not name.isidentifier():
-            raise MimoFxError(f"mesh dim name {name!r} is not an identifier; mimo_fx names "
-                              f"grid axes after mesh dims (rename it, e.g. 'dp_shard')")
-    if len(set(names)) != len(names):
-        raise MimoFxError(f"mesh dim names {names} repeat a name")
-    return ranks, names
-
-
-def grid_from_mesh(mesh, mesh_dim_names: Sequence[str] | None = None) -> Grid:
-    """The :class:`Grid` of a DeviceMesh (or of a rank tensor / nested lists of ranks).
-
-    The mesh's ranks must be an axis permutation of a contiguous range: every mesh dim
-    steps ranks by a fixed positive stride and the strides, sorted, form a mixed radix.
-    Grid axes are the mesh dims ordered by stride (fastest first), named after them.
-
-    >>> grid_from_mesh([[0, 1], [2, 3], [4, 5], [6, 7]], ("dp", "tp"))
-    Grid(tp=2, dp=4)
-    >>> grid_from_mesh([[4, 6], [5, 7]])
-    Grid(m0=2, m1=2, offset=4)
-    """
-    ranks, names = _mesh_parts(mesh, mesh_dim_names)
-    return _grid(ranks, names)
-
-
-def _grid(ranks: torch.Tensor, names: tuple[str, ...]) -> Grid:
-    flat = ranks.flatten().tolist()
-    shape = tuple(ranks.shape)
-    offset, size = min(flat), len(flat)
-    where = f"mesh {names} of shape {shape} with ranks {ranks.tolist()}"
-    if sorted(flat) != list(range(offset, offset + size)):
-        seen = set(flat)
-        missing = [r for r in range(offset, max(flat) + 1) if r not in seen]
-        twice = sorted({r for r in flat if flat.count(r) > 1})
-        raise MimoFxError(
-            f"{where}: a mimo_fx grid covers a contiguous range of ranks once each, but "
-            + (f"ranks {missing[:8]} are missing from the range {offset}..{max(flat)}"
-               if missing else f"ranks {twice[:8]} appear twice")
-            + ". A submesh (e.g. mesh['dp'] of a 2-D mesh) is not a grid: use the whole mesh "
-              "with Replicate() on the other mesh dims")
-    strides: list[int | float | None] = []
-    for i, n in enumerate(shape):
-        if n == 1:
-            strides.append(None)
-            continue
-        step = ranks.select(i, 1).flatten()[0].item() - ranks.select(i, 0).flatten()[0].item()
-        if step <= 0:
-            raise MimoFxError(f"{where}: mesh dim {names[i]!r} steps ranks by {step}; a grid "
-                              f"axis counts ranks upwards (flip that mesh dim)")
-        strides.append(step)
-    index = torch.zeros(shape, dtype=torch.int64) + offset
-    for i, (n, s) in enumerate(zip(shape, strides)):
-        if s is not None:
-            index = index + (torch.arange(n) * s).reshape([n if k == i else 1
-                                                            for k in range(len(shape))])
-    if not torch.equal(index, ranks):
-        bad = (index != ranks).nonzero()[0].tolist()
-        raise MimoFxError(f"{where}: rank {ranks[tuple(bad)].item()} at mesh coordinate "
-                          f"{tuple(bad)} breaks the fixed stride per mesh dim "
-                          f"({dict(zip(names, strides))}); mimo_fx grids are axis "
-                          f"permutations of a mixed-radix range")
-    order = sorted(range(len(shape)), key=lambda i: (_virtual_stride(i, shape, strides), -i))
-    acc = 1
-    for i in order:  # a bijective affine map onto a range is mixed radix
-        assert strides[i] is None or strides[i] == acc, (where, strides)
-        acc *= shape[i]
-    return Grid(offset=offset, **{names[i]: shape[i] for i in order})
-
-
-def _virtual_stride(i: int, shape, strides) -> int:
-    """A size-1 mesh dim sits just outside the next larger mesh dim after it (where
-    row-major order puts it)."""
-    if strides[i] is not None:
-        return strides[i]
-    later = [j for j in range(i + 1, len(shape)) if strides[j] is not None]
-    return strides[later[0]] * shape[later[0]] if later else 1
-
-
 # -- DTensor -> Layout -----------------------------------------------------------------------
 def layout_from_dtensor(mesh, placements: Sequence, shape: Sequence[int], *,
                         dims: Sequence[str] | None = None,
@@ -371,57 +271,62 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _layouts(src_mesh, src_placements, shape, dst_mesh, dst_placements):
-    src, sizes = layout_from_dtensor(src_mesh, src_placements, shape)
+def _layouts(src_mesh, src_placements, ndim: int, dst_mesh, dst_placements):
+    """The layouts of a move of an ``ndim``-dim DTensor: DTensor's chunk rule on every
+    sharded dim, so they hold for every shape (one bridge serves them all)."""
+    shape = (1,) * ndim  # (the layouts do not depend on it: split is always chunk)
+    src, _ = layout_from_dtensor(src_mesh, src_placements, shape)
     dst, _ = layout_from_dtensor(dst_mesh, dst_placements, shape)
-    return src, dst, sizes
+    return _chunked(src), _chunked(dst)
 
 
-# Prepared bridges by index. Under torch.compile the index is computed once at trace time
-# (plain Python on the meshes' rank tensors, which Dynamo cannot trace) and the bridge is
-# read from this list, so the graph holds only the bridge's collectives.
-_BRIDGES: list = []
-_INDEX: dict[tuple, int] = {}
+def _chunked(layout: Layout) -> Layout:
+    if layout.split == "chunk" or not layout.sharded_axes:
+        return layout
+    return Layout(layout.grid, layout.pattern, partial=layout.partial, split="chunk")
+
+
+# the layouts of every move seen: read back by index (a constant of the graph)
+_MOVES: list[tuple] = []
+_MOVE_INDEX: dict[tuple, int] = {}
 
 
 @torch.compiler.assume_constant_result
-def _bridge_index(src_mesh, src_placements, shape, dst_mesh, dst_placements, dtype,
-                  grad_partial, comm_dtype, checked) -> int:
-    from mimo_fx.compiled import prepare as compiled_prepare
-
+def _move_index(src_mesh, src_placements, ndim: int, dst_mesh, dst_placements) -> int:
+    """The index in ``_MOVES`` of ``(src, dst)`` of a move, computed while tracing (plain
+    Python on the meshes' rank tensors, which Dynamo cannot trace)."""
     try:
-        src, dst, sizes = _layouts(src_mesh, src_placements, shape, dst_mesh, dst_placements)
-        key = (src, dst, tuple(sizes.items()), dtype, grad_partial, comm_dtype, checked)
-        index = _INDEX.get(key)
-        live = index is not None and _BRIDGES[index]._live
-        if not live and torch.compiler.is_compiling():
-            raise MimoFxError(
-                "under torch.compile its process groups must be prepared first: call it "
-                "once eagerly, or mimo_fx.interop.dtensor.prepare(x, dst_mesh, dst_placements), on "
-                "every rank before compiling")
-        bridge = compiled_prepare(src, dst, sizes, dtype, grad_partial=grad_partial,
-                                  comm_dtype=comm_dtype, checked=checked)
+        src, dst = _layouts(src_mesh, src_placements, ndim, dst_mesh, dst_placements)
     except MimoFxError as err:
-        raise MimoFxError(f"redistribute DTensor of shape {shape} from {src_placements} on "
+        raise MimoFxError(f"redistribute a {ndim}-dim DTensor from {src_placements} on "
                           f"{src_mesh} to {dst_placements} on {dst_mesh}: {err}") from None
-    if index is None:
-        index = _INDEX[key] = len(_BRIDGES)
-        _BRIDGES.append(bridge)
-    _BRIDGES[index] = bridge
-    return index
+    move = (src, dst)
+    if move not in _MOVE_INDEX:
+        _MOVE_INDEX[move] = len(_MOVES)
+        _MOVES.append(move)
+    return _MOVE_INDEX[move]
 
 
-def _index_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked) -> int:
-    return _bridge_index(x.device_mesh, tuple(x.placements), tuple(x.shape), dst_mesh,
-                         tuple(dst_placements), x.dtype, tuple(grad_partial), comm_dtype,
-                         checked)
+def _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked):
+    """The bridge moving ``x`` (from the one bridge cache, see mimo_fx.compiled)."""
+    from mimo_fx.compiled import bridge_for
+    from mimo_fx.compiled.options import Options
+
+    src, dst = _MOVES[_move_index(x.device_mesh, tuple(x.placements), x.dim(), dst_mesh,
+                                  tuple(dst_placements))]
+    opts = Options(x.dtype, tuple(grad_partial), comm_dtype, checked)
+    try:  # sizes free: each call gives its shape (one bridge, one graph for even sizes)
+        return bridge_for(src, dst, opts, None, "redistribute_dtensor")
+    except MimoFxError as err:
+        raise MimoFxError(f"redistribute DTensor of shape {tuple(x.shape)} from "
+                          f"{tuple(x.placements)} to {tuple(dst_placements)}: {err}") from None
 
 
 def prepare(x, dst_mesh, dst_placements: Sequence, *, grad_partial=(), comm_dtype=None,
             checked: bool = False) -> None:
     """Create, on every rank, the process groups :func:`redistribute_dtensor` needs, so
     that it traces under ``torch.compile`` (one eager call does the same)."""
-    _index_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked)
+    _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked)
 
 
 def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=(),
@@ -435,13 +340,15 @@ def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=
     - on ranks of ``dst_mesh``: a DTensor on ``dst_mesh`` with ``dst_placements`` (its
       local tensor may be empty where DTensor's chunk rule leaves a shard empty);
     - on ranks of ``x``'s mesh only: an empty plain tensor (one dim per tensor dim),
-      linked to ``x`` by autograd. Backpropagate through it (``y.sum().backward()``), as
-      every rank of both meshes must, so that all issue the same collectives backward.
-      (It is not a DTensor because DTensor cannot backpropagate through the placeholder
-      it keeps on ranks outside its mesh);
+      linked to ``x`` by autograd. Its backward runs with the rank's others in
+      ``mimo_fx.backward()``, which every rank calls once per step (it is not a DTensor
+      because DTensor cannot backpropagate through the placeholder it keeps on ranks
+      outside its mesh);
     - on ranks outside both meshes: ``None``.
 
-    Gradients reach ``x``'s local tensor through mimo_fx's custom vjp, with DTensor's
+    The shape may change from call to call: one bridge (and under ``torch.compile`` one
+    graph for every size its layouts cut evenly) serves them all. Gradients reach
+    ``x``'s local tensor through mimo_fx's custom vjp, with DTensor's
     conventions: a Partial source gets a replicated gradient, a Replicate destination's
     cotangents are taken as equal on every replica (as after ``full_tensor()``), unless
     ``grad_partial`` names dst mesh dims whose cotangents are per-replica contributions.
@@ -451,10 +358,10 @@ def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=
 
     if not isinstance(x, DTensor):
         raise MimoFxError(f"redistribute_dtensor takes a DTensor, got {type(x).__name__}")
-    bridge = _BRIDGES[_index_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype,
-                                checked)]
+    bridge = _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked)
     rank = dist.get_rank()
-    y = bridge(x.to_local() if bridge.src.holds(rank) else None)
+    sizes = dict(zip(bridge.src.dims, x.shape))  # every rank knows the global shape
+    y = bridge(x.to_local() if bridge.src.holds(rank) else None, sizes)
     if y is None or not bridge.dst.holds(rank):
         return y
     shape = tuple(x.shape)

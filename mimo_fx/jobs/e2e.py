@@ -16,8 +16,8 @@ undistributed model.
   by pipelined bridges, each stage's compute compiled (:mod:`mimo_fx.jobs.pp_1f1b`);
 - **packed**: samples with 0-3 images of varying token counts and varying text, packed
   per step; the encoder on DP8, the LLM on DP4 x CP2 with per-sequence zigzag, image
-  embeddings sent straight to the cp rank holding their tokens by an index-mapped bridge,
-  a varlen causal attention in plain torch; one compiled graph for every batch
+  embeddings sent straight to the cp rank holding their tokens by one redistribute into
+  a packed layout, a varlen causal attention in plain torch; one compiled graph for every batch
   (:mod:`mimo_fx.jobs.packed`).
 
 Each step is ``torch.func.grad_and_value`` of the SPMD loss on the process world

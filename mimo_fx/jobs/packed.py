@@ -11,18 +11,20 @@ colocated (:data:`LAYOUT`):
   Its layer is a token embedding, one causal attention over each packed sequence (plain
   torch: a mask from the packing's segment ids and positions) and a linear head.
 
-Two index-mapped bridges (:class:`~mimo_fx.compiled.index.IndexBridge`, one
-``all_to_all`` per direction each) carry the step, planned anew every step from the
-batch's metadata, which every rank knows:
+Two ``redistribute`` calls to and from the packed batch's layout
+(:class:`~mimo_fx.packed.PackedLayout`, one ``all_to_all`` per direction each) carry the
+step, planned anew every step from the batch's metadata, which every rank knows:
 
-- **images**: each cp rank receives exactly the image embeddings whose tokens fall in
-  its chunks, and places them at their local rows (:func:`~mimo_fx.packed.image_rows`);
-  the backward returns each gradient row to the encoder rank that made it;
-- **keys and values**: each cp rank receives the other cp rank's K/V rows of its packed
-  sequence (the backward sums their gradients back to their owner).
+- **images**: the encoder's image-token rows to the packed batch's image tokens
+  (``PackedLayout.select``): each cp rank receives exactly the image embeddings whose
+  tokens fall in its chunks and places them at their positions; the backward returns
+  each gradient row to the encoder rank that made it;
+- **keys and values**: from the packed batch to every cp rank of a group holding all of
+  the group's tokens (the backward sums the cp ranks' gradients, ``grad_partial``, back
+  to their owner).
 
 The step (``loss.backward()`` of the rank's part of the loss) is compiled once: the
-bridges' routes, the packing's indices and the data are graph inputs with unbacked
+layouts' batches, the packing's indices and the data are graph inputs with unbacked
 lengths, so every batch runs in one graph. Gradients are summed over the world (every
 parameter is replicated on every rank), then SGD. Every rank also runs the undistributed
 model sample by sample and compares gradients (every step) and parameters (at the end).
@@ -35,10 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
-from mimo_fx.index import seed_bytes
+from mimo_fx import Layout, redistribute
 from mimo_fx.mimo.config import MimoParallelism
 from mimo_fx.mimo.config import ModuleParallelism as M
-from mimo_fx.packed import Packing, image_rows
+from mimo_fx.packed import PackedLayout, Packing
+from mimo_fx.rows import plan_layouts, seed_bytes
 
 from .report import allreduce, step_row
 
@@ -142,47 +145,77 @@ class RankStep:
     """One rank's inputs for a step: what its compiled step takes, and the plans' bytes."""
 
     inputs: dict
-    routes: tuple
     sent: int          # bytes this rank sends through both bridges (forward + backward)
     image_bytes: int   # the image bridge's bytes, all ranks, forward + backward
     seed_image_bytes: int  # the same for the seeds' replicate-and-all-reduce scheme
     count: int         # the loss's global element count
 
 
-def rank_step(cfg: PackedConfig, batch: Batch, rank: int, img_bridge, kv_bridge) -> RankStep:
-    """Plan both bridges for ``batch`` and build ``rank``'s inputs (outside the compiled
-    step; identical plans on every rank)."""
-    llm = LAYOUT.grids()["llm"]
-    rows, packings = _rows(cfg, batch, llm)
-    src, dst_img, local_rows, kv_src, kv_dst, n_img, n_kv = rows
-    img_plan = img_bridge.plan(src, dst_img, n_img)
-    kv_plan = kv_bridge.plan(kv_src, kv_dst, n_kv)
+def layouts(cfg: PackedConfig, batch: Batch):
+    """The step's layouts, the same on every rank: the encoder's image-token rows (rank
+    ``r`` holds the tokens of images ``r, r + 8, ...``, ragged over dp), the packed batch
+    (dp group ``d`` packs samples ``2d, 2d + 1``, zigzag over cp), its image tokens (row
+    ``j``: the ``j``-th image-token row of the encoder's layout) and every group's tokens
+    on each of its cp ranks (the keys and values a rank attends over)."""
+    grids = LAYOUT.grids()
+    enc, llm = grids["enc"], grids["llm"]
+    dp = llm.axis_size("dp")
+    groups = [list(_samples(cfg, llm, d)) for d in range(dp)]
+    tokens = PackedLayout(llm, "t h", [[len(batch.ids[b]) for b in g] for g in groups])
+    start, at = {}, 0  # each sample's first token in the packed batch
+    for g in groups:
+        for b in g:
+            start[b] = at
+            at += len(batch.ids[b])
+    image_at, k = [], {b: 0 for b in range(cfg.samples)}  # each image's first token
+    for n, b in zip(batch.image_tokens, batch.image_sample):
+        where = torch.nonzero(batch.is_image[b]).flatten().tolist()
+        image_at.append([start[b] + i for i in where[k[b]:k[b] + n]])
+        k[b] += n
+    enc_images = [list(range(r, len(image_at), enc.size)) for r in enc.ranks]
+    positions = [t for mine in enc_images for i in mine for t in image_at[i]]
+    counts = tuple(sum(batch.image_tokens[i] for i in mine) for mine in enc_images)
+    totals = tuple(p.total for p in tokens.packings)
+    return (Layout(enc, "(dp t) h", ragged="dp"), tokens, tokens.select(positions),
+            Layout(llm, "(dp t) h", ragged="dp"), enc_images, counts, totals)
+
+
+def rank_step(cfg: PackedConfig, batch: Batch, rank: int) -> RankStep:
+    """``rank``'s inputs for ``batch`` (outside the compiled step), and the bytes the
+    step's plans move."""
+    enc, tokens, images, keys, enc_images, counts, totals = layouts(cfg, batch)
+    llm = tokens.grid
     d, c = llm.coord(rank)["dp"], llm.coord(rank)["cp"]
-    inputs = _inputs(batch, _samples(cfg, llm, d), packings[d], c)
-    inputs["features"] = batch.features[src[rank]]
-    inputs["image_rows"] = local_rows[rank]
+    inputs = _inputs(batch, _samples(cfg, llm, d), tokens.packings[d], c)
+    starts = [0]
+    for n in batch.image_tokens:
+        starts.append(starts[-1] + n)
+    mine = [t for i in enc_images[rank] for t in range(starts[i], starts[i + 1])]
+    inputs["features"] = batch.features[mine]
+    inputs["image_rows"] = images.positions(rank)
+    inputs["totals"] = torch.tensor(totals)
     # one graph for every batch: a rank's image tokens may be 0 or 1 (unbacked: no
-    # specialisation), its tokens and its group's padded tokens never are (>= 2 per
-    # sequence: backed, so the attention's shapes stay ones the compiler can reason on)
+    # specialisation), its tokens and its group's tokens never are (>= 2 per sequence:
+    # backed, so the attention's shapes stay ones the compiler can reason on)
     for name in ("features", "image_rows"):
         torch._dynamo.decorators.mark_unbacked(inputs[name], 0)
     for name in ("ids", "target", "real", "mask"):
         torch._dynamo.mark_dynamic(inputs[name], 0)
     torch._dynamo.mark_dynamic(inputs["mask"], 1)
-    row = cfg.hidden * 4
-    sent = sum(n for key, n in img_plan.bytes(row)[rank].items() if key.endswith("sent"))
-    sent += sum(n for key, n in kv_plan.bytes(2 * row)[rank].items() if key.endswith("sent"))
-    ours = sum(n for per in img_plan.bytes(row).values() for key, n in per.items()
+    img = plan_layouts(enc, images, {"t": counts, "h": cfg.hidden})
+    kv = plan_layouts(tokens, keys, {"t": totals, "h": 2 * cfg.hidden}, 4, ("cp",))
+    sent = sum(n for p in (img, kv) for key, n in p.bytes()[rank].items()
+               if key.endswith("sent"))
+    ours = sum(n for per in img.bytes().values() for key, n in per.items()
                if key.endswith("sent"))
     seed = 0
-    for d in range(llm.axis_size("dp")):  # every cp rank of a group gets all its rows
-        group = list(llm.group_of(llm.rank(tp=0, cp=0, pp=0, dp=d), "cp"))
-        needed = {g for r in group for g in dst_img[r]}
-        held = {r: len(needed & set(src[r])) for r in group}
-        seed += sum(seed_bytes(len(needed), group, row, held).values())
+    for group in llm.groups("cp"):  # every cp rank of a group gets all its rows
+        needed = {g for r in group for g in images.rows(r).tolist()}
+        src_rows = img.src_rows
+        held = {r: len(needed & set(src_rows[img.index(r)])) for r in group}
+        seed += sum(seed_bytes(len(needed), group, 4 * cfg.hidden, held).values())
     count = sum(t.numel() for t in batch.targets)
-    return RankStep(inputs, (img_bridge.route(img_plan), kv_bridge.route(kv_plan)), sent,
-                    ours, seed, count)
+    return RankStep(inputs, sent, ours, seed, count)
 
 
 def _samples(cfg: PackedConfig, llm, d: int) -> range:
@@ -191,61 +224,24 @@ def _samples(cfg: PackedConfig, llm, d: int) -> range:
     return range(d * cfg.samples // dp, (d + 1) * cfg.samples // dp)
 
 
-def _rows(cfg: PackedConfig, batch: Batch, llm):
-    """Both bridges' rows (every rank's, the same on all): image-token rows, encoder rank
-    ``k % 8`` holding image ``k``'s, each cp rank needing those in its chunks; K/V rows are
-    the dp groups' padded packed tokens, each cp rank needing its whole group's."""
-    dp, cp = llm.axis_size("dp"), llm.axis_size("cp")
-    enc_ranks = LAYOUT.world_size
-    starts = [0]
-    for n in batch.image_tokens:
-        starts.append(starts[-1] + n)
-    src = {r: [t for k in range(r, len(batch.image_tokens), enc_ranks)
-               for t in range(starts[k], starts[k + 1])] for r in range(enc_ranks)}
-    dst_img, local_rows, kv_src, kv_dst, packings = {}, {}, {}, {}, []
-    first_token: dict[int, int] = {}  # each sample's first image-token row
-    for k, b in enumerate(batch.image_sample):
-        first_token.setdefault(b, starts[k])
-    kv_offset = 0
-    for d in range(dp):
-        samples = _samples(cfg, llm, d)
-        packing = Packing([len(batch.ids[b]) for b in samples], cp=cp)
-        packings.append(packing)
-        # the group's image tokens in packed order are its samples' rows in batch order
-        positions = torch.nonzero(torch.cat([batch.is_image[b] for b in samples])).flatten()
-        group_rows = [t for b in samples if b in first_token
-                      for t in range(first_token[b], first_token[b]
-                                     + int(batch.is_image[b].sum()))]
-        mine = image_rows(packing, positions)
-        for c in range(cp):
-            r = llm.rank(tp=0, cp=c, pp=0, dp=d)
-            dst_img[r] = [group_rows[j] for j in mine[c].rows.tolist()]
-            local_rows[r] = mine[c].local_rows
-            kv_src[r] = (kv_offset + packing.positions(c)).tolist()
-            kv_dst[r] = list(range(kv_offset, kv_offset + packing.total_padded))
-        kv_offset += packing.total_padded
-    return (src, dst_img, local_rows, kv_src, kv_dst, starts[-1], kv_offset), packings
-
-
 def _inputs(batch: Batch, samples: range, packing: Packing, c: int) -> dict:
     """The LLM inputs of cp rank ``c`` of the dp group packing ``samples``: token ids,
-    targets, which tokens are real, and the attention mask from the packing's segment ids
-    and positions."""
+    targets, which tokens are real, and the attention mask over the group's tokens (its
+    keys, unpadded) from the packing's segment ids and positions."""
     token = packing.token_index(c)
     real = token >= 0
     take = torch.where(real, token, 0)
     ids = torch.cat([batch.ids[b] for b in samples])[take]
     target = torch.cat([batch.targets[b] for b in samples])[take]
     seg, pos = packing.segment_ids(c), packing.position_in_sequence(c)
-    key_seg = torch.full((packing.total_padded,), -1, dtype=torch.int64)
-    key_pos = torch.zeros(packing.total_padded, dtype=torch.int64)
-    for cc in range(packing.cp):
-        key_seg[packing.positions(cc)] = packing.segment_ids(cc)
-        key_pos[packing.positions(cc)] = packing.position_in_sequence(cc)
-    # a real query sees its own sequence's real keys up to itself; padding queries see
-    # everything (no empty softmax row) and weigh nothing in the loss
-    mask = ((key_seg[None, :] == seg[:, None]) & (key_pos[None, :] <= pos[:, None])
-            & (key_seg[None, :] >= 0)) | (seg[:, None] < 0)
+    key_seg = torch.cat([torch.full((n,), s) for s, n in enumerate(packing.lengths)]
+                        + [torch.zeros(0, dtype=torch.int64)])
+    key_pos = torch.cat([torch.arange(n) for n in packing.lengths]
+                        + [torch.zeros(0, dtype=torch.int64)])
+    # a real query sees its own sequence's keys up to itself; padding queries see every
+    # key (no empty softmax row) and weigh nothing in the loss
+    mask = ((key_seg[None, :] == seg[:, None]) & (key_pos[None, :] <= pos[:, None])) \
+        | (seg[:, None] < 0)
     return {"ids": ids, "mask": mask, "target": target, "real": real[:, None].to(target.dtype)}
 
 
@@ -262,19 +258,24 @@ def train_packed(rank: int, steps: int, backend: str, lr: float, say=None) -> di
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    from mimo_fx.compiled.index import IndexBridge
+    from mimo_fx.compiled import destroy, prepare
 
     say = say or (lambda *a, **k: None)
     cfg = PackedConfig()
     world = dist.get_world_size()
-    img_bridge, kv_bridge = IndexBridge(range(world)), IndexBridge(range(world))
     full = init_params(cfg)
     mine = {n: v.clone().requires_grad_() for n, v in full.items()}
+    enc, tokens, images, keys = layouts(cfg, packed_batch(cfg, 0))[:4]
+    prepare(enc, images, {"h": cfg.hidden})  # process groups, eagerly, on every rank
+    prepare(tokens, keys, {"h": 2 * cfg.hidden}, grad_partial=("cp",))
 
-    def loss_fn(p, features, ids, image_rows, mask, target, real, img_route, kv_route, count):
-        images = img_bridge(encode(p, features), img_route)
-        h = p["llm.emb"][ids].index_copy(0, image_rows, images)
-        kv = kv_bridge(torch.cat([h @ p["llm.wk"], h @ p["llm.wv"]], dim=1), kv_route)
+    def loss_fn(p, features, ids, image_rows, mask, target, real, images, tokens, totals,
+                count):
+        rows = redistribute(encode(p, features), enc, images, h=cfg.hidden)
+        h = p["llm.emb"][ids].index_copy(0, image_rows, rows)
+        kv = redistribute(torch.cat([h @ p["llm.wk"], h @ p["llm.wv"]], dim=1), tokens,
+                          keys, t=tuple(totals.tolist()), h=2 * cfg.hidden,
+                          grad_partial=("cp",))
         return (((attend(p, h, kv, mask) - target) * real) ** 2).sum() / count
 
     step_fn = loss_fn if backend == "eager" else torch.compile(loss_fn, backend=backend,
@@ -282,11 +283,12 @@ def train_packed(rank: int, steps: int, backend: str, lr: float, say=None) -> di
 
     def run_step(k: int):
         batch = packed_batch(cfg, k)
-        r = rank_step(cfg, batch, rank, img_bridge, kv_bridge)
+        r = rank_step(cfg, batch, rank)
+        _, step_tokens, step_images = layouts(cfg, batch)[:3]
         for v in mine.values():
             v.grad = None
         # (the count as a tensor: a Python int would be a constant of the graph)
-        loss = step_fn(mine, **r.inputs, img_route=r.routes[0], kv_route=r.routes[1],
+        loss = step_fn(mine, **r.inputs, images=step_images, tokens=step_tokens,
                        count=torch.tensor(float(r.count)))
         loss.backward()
         flat = torch.cat([_grad(v).flatten() for v in mine.values()])
@@ -329,8 +331,7 @@ def train_packed(rank: int, steps: int, backend: str, lr: float, say=None) -> di
     param_diff = max(float((mine[n].detach() - full[n]).abs().max()) for n in full)
     param_diff, compile_s, graphs = allreduce(
         [param_diff, compile_s, counters["stats"]["unique_graphs"]], dist.ReduceOp.MAX)
-    img_bridge.destroy()
-    kv_bridge.destroy()
+    destroy()
     torch._dynamo.reset()
     return {"variant": "packed", "backend": backend, "rows": rows, "param_diff": param_diff,
             "compile_s": compile_s, "graphs": int(graphs)}

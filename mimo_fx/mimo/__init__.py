@@ -12,8 +12,8 @@ from .config import (
     is_last_stage,
     position_embedding_group,
 )
-from .sync import Bucket, GradSync, TiedGrads, data_axes, embedding_groups
+from .sync import Bucket, GradSync, TiedGrads, data_axes, embedding_groups, fsdp_sums
 
 __all__ = ["ModuleParallelism", "MimoParallelism", "is_first_stage", "is_last_stage",
            "embedding_group", "position_embedding_group", "GradSync", "TiedGrads", "Bucket",
-           "data_axes", "embedding_groups"]
+           "data_axes", "embedding_groups", "fsdp_sums"]

@@ -53,7 +53,7 @@ from mimo_fx.grid import Grid
 
 from .config import MimoParallelism, embedding_group, is_first_stage, is_last_stage
 
-__all__ = ["GradSync", "TiedGrads", "Bucket", "data_axes", "embedding_groups"]
+__all__ = ["GradSync", "TiedGrads", "Bucket", "data_axes", "embedding_groups", "fsdp_sums"]
 
 Ranks = tuple[int, ...]
 DATA_AXES = ("dp", "cp")
@@ -69,6 +69,27 @@ _NOT_DATA = {
 def data_axes(grid: Grid, axes: Sequence[str] = DATA_AXES) -> tuple[str, ...]:
     """The axes of ``axes`` that split ``grid``'s data: present, and of size > 1."""
     return tuple(a for a in axes if a in grid.names and grid.axis_size(a) > 1)
+
+
+def fsdp_sums(module: nn.Module) -> nn.Module:
+    """Make an FSDP2 module (``fully_shard``) *sum* its gradients over its mesh, as the
+    loss convention here needs (every loss is divided by the step's global token count,
+    so the step's gradient is the sum over data replicas; FSDP2 averages by default,
+    which makes the module's gradient 1/DP too small). Sets a divide factor of 1 and a
+    plain SUM reduction (with the divide factor alone, gloo raises "Cannot use
+    ReduceOp.PREMUL_SUM with Gloo"). Returns the module.
+
+    >>> fsdp_sums(torch.nn.Linear(2, 2))  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    mimo_fx.errors.MimoFxError: ... is not an FSDP2 module ...
+    """
+    if not hasattr(module, "set_gradient_divide_factor"):
+        raise MimoFxError(f"fsdp_sums: {type(module).__name__} is not an FSDP2 module; "
+                          f"wrap it with torch.distributed.fsdp.fully_shard first")
+    fsdp: Any = module
+    fsdp.set_gradient_divide_factor(1.0)
+    fsdp.set_force_sum_reduction_for_comms(True)
+    return module
 
 
 def embedding_groups(grid: Grid) -> tuple[Ranks, ...]:
@@ -95,12 +116,9 @@ class Bucket:
 
 # -- the collective core, shared by GradSync and TiedGrads -------------------------------
 def _rank(what: str) -> int:
-    import torch.distributed as dist
+    from mimo_fx.compiled.lease import require_world
 
-    if not dist.is_initialized():
-        raise MimoFxError(f"{what} needs torch.distributed initialised "
-                          f"(torch.distributed.init_process_group) on every rank first")
-    return dist.get_rank()
+    return require_world(what)
 
 
 def _check_fits(name: str, grid: Grid) -> None:
@@ -204,40 +222,27 @@ def _unflatten_into_grads(flat: torch.Tensor, params: Sequence[nn.Parameter]) ->
 
 
 class _Sums:
-    """Groups created eagerly at construction; one all-reduce per bucket on ``run()``."""
+    """Groups created eagerly at construction (a lease); one all-reduce per bucket on
+    ``run()``."""
 
     def __init__(self, what: str, groups: Sequence[Ranks], rank: int,
                  buckets: list[tuple[Bucket, list[nn.Parameter]]]) -> None:
-        from mimo_fx.compiled.comm import FunctionalComm
-        from mimo_fx.compiled.groups import acquire, group_name, world_token
+        from mimo_fx.compiled.lease import Lease
 
         self.what, self.groups = what, tuple(dict.fromkeys(groups))
-        acquire(self.groups)
-        self.world = world_token()
-        self.comm = FunctionalComm({g: group_name(g) for g in self.groups if rank in g})
+        self.lease = Lease(f"this {what}", self.groups)
+        self.comm = self.lease.comm()
         self.buckets = buckets
-        self.destroyed = False
-
-    def _check_live(self) -> None:
-        from mimo_fx.compiled.groups import check_world
-
-        if self.destroyed:
-            raise MimoFxError(f"this {self.what} was destroyed; build a new one")
-        check_world(self.world, f"this {self.what}")
 
     def run(self) -> None:
-        self._check_live()
+        self.lease.check()
         with torch.no_grad():
             for bucket, params in self.buckets:
                 summed = self.comm.all_reduce(_flat_grads(params), bucket.ranks)
                 _unflatten_into_grads(summed, params)
 
     def destroy(self) -> None:
-        from mimo_fx.compiled.groups import release
-
-        if not self.destroyed:
-            release(self.groups)
-            self.destroyed = True
+        self.lease.release()
 
 
 def _check_bucket_numel(bucket_numel: int | None) -> None:
@@ -467,7 +472,7 @@ class TiedGrads:
     def broadcast_from_first_stage(self) -> None:
         """Copy the first stage's tied weights to the last stage (collective: call it on
         every rank, e.g. once after initialisation)."""
-        self._sums._check_live()
+        self._sums.lease.check()
         first = self.rank in self.grid and is_first_stage(self.grid, self.rank)
         with torch.no_grad():
             for bucket, params in self._sums.buckets:

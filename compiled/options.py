@@ -1,0 +1,129 @@
+"""A bridge's options, and the compiler settings bridges need: each in one place.
+
+:class:`Options` is every option a bridge takes (the facade, :class:`~.Redistributor`,
+:func:`~mimo_fx.compiled.prepare` and DTensor interop all pass one), validated once, and
+hashable: it is part of the one bridge cache's key. :func:`require_compiler` is the only
+code that changes a global ``torch._dynamo`` / ``torch._inductor`` setting, and says why.
+
+>>> Options(checked=True).names()[:4]
+('dtype', 'grad_partial', 'comm_dtype', 'checked')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from mimo_fx.constants import constant
+from mimo_fx.errors import MimoFxError
+
+__all__ = ["Options", "require_compiler", "OPTION_NAMES"]
+
+
+@constant
+@dataclass(frozen=True)
+class Options:
+    """What a bridge moves and how (every option a bridge takes; keyword-only everywhere).
+
+    Args:
+        dtype: the dtype of the tensors moved (the caller's).
+        grad_partial: dst replicated axes whose cotangents are summed (see the op).
+        comm_dtype: move data in this dtype (e.g. bf16) and return ``dtype``.
+        checked: every rank exchanges what it was called with before each call, so any
+            rank's mistake raises on every rank (see :mod:`.guard`).
+        device: where data moves and ranks without a src piece make their placeholder
+            (None: the current CUDA device under NCCL, else CPU).
+    """
+
+    dtype: torch.dtype = torch.float32
+    grad_partial: tuple[str, ...] = ()
+    comm_dtype: torch.dtype | None = None
+    checked: bool = False
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.grad_partial, list):
+            object.__setattr__(self, "grad_partial", tuple(self.grad_partial))
+        for name, value in (("dtype", self.dtype), ("comm_dtype", self.comm_dtype)):
+            if not isinstance(value, torch.dtype) and not (name == "comm_dtype" and value is None):
+                raise MimoFxError(f"{name}={value!r} must be a torch.dtype, e.g. torch.bfloat16")
+        if not isinstance(self.checked, bool):
+            raise MimoFxError(f"checked={self.checked!r} must be True or False")
+        gp = self.grad_partial
+        if isinstance(gp, str) or not isinstance(gp, tuple) or not all(
+                isinstance(a, str) for a in gp):
+            raise MimoFxError(f"grad_partial={gp!r} must be a tuple of axis names, e.g. ('cp',)")
+        if self.device is not None:
+            object.__setattr__(self, "device", str(torch.device(self.device)))
+        _check_comm_dtype(self.dtype, self.comm_dtype)
+
+    @staticmethod
+    def names() -> tuple[str, ...]:
+        """Every option's name, in declaration order."""
+        return tuple(f.name for f in fields(Options))
+
+    def resolved_device(self) -> torch.device:
+        """The device data moves on."""
+        if self.device is not None:
+            return torch.device(self.device)
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+OPTION_NAMES = Options.names()
+
+_FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_comm_dtype(dtype: torch.dtype, wire: torch.dtype | None) -> None:
+    """``comm_dtype`` only where it is lossless, or an explicit lower-precision float for
+    float data: it never changes values by accident."""
+    if wire is None or wire == dtype:
+        return
+    if dtype in _FLOATS and wire in _FLOATS:
+        return  # a float for float data: lower precision is what it is asked for
+    if _holds(wire, dtype):
+        return  # every value of dtype exactly (int32 data moved as int64, say)
+    fix = ("a lower-precision float (torch.bfloat16 or torch.float16)"
+           if dtype in _FLOATS else f"None (move {dtype} as it is), or a wider integer type")
+    raise MimoFxError(f"comm_dtype={wire} would change {dtype} data (it cannot hold every "
+                      f"{dtype} value); use {fix}")
+
+
+def _holds(wire: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether every value of ``dtype`` is a value of ``wire``."""
+    if dtype.is_complex or wire.is_complex:
+        return dtype.is_complex and wire.is_complex and wire.itemsize >= dtype.itemsize
+    if dtype == torch.bool:
+        return True  # 0 and 1 are values of every dtype
+    if dtype.is_floating_point or wire.is_floating_point:
+        return False  # (float to float is allowed above; ints and floats do not mix)
+    ints = [torch.int8, torch.int16, torch.int32, torch.int64]
+    if dtype == torch.uint8:
+        return wire in (torch.int16, torch.int32, torch.int64)
+    return dtype in ints and wire in ints and ints.index(wire) >= ints.index(dtype)
+
+
+def require_compiler(*, scalar_outputs: bool = False, unbacked_tensors: bool = False) -> None:
+    """Set the global compiler options a bridge needs; the only place that sets any.
+
+    ``scalar_outputs``: Dynamo's ``capture_scalar_outputs``, so sizes read back from a
+    tensor in a compiled step (``.tolist()`` of the size exchange, a row route's counts)
+    stay in the graph as unbacked ints instead of breaking it.
+    ``unbacked_tensors``: inductor's ``joint_graph_constant_folding`` off: in torch 2.13
+    that pass asks whether a zero tensor of unbacked length (a row backward's per-row
+    sums) is contiguous, a data-dependent question it cannot answer, and the compile
+    fails; the pass only replaces constant tensors by fill calls.
+    """
+    if scalar_outputs:
+        from torch._dynamo import config as dynamo_config
+
+        dynamo_config.capture_scalar_outputs = True
+    if unbacked_tensors:
+        from torch._inductor import config as inductor_config
+
+        inductor_config.joint_graph_constant_folding = False

@@ -1,0 +1,292 @@
+"""Sizes and programs of a row bridge: to or from a row layout (a packed batch).
+
+A bridge with a :class:`~mimo_fx.packed.PackedLayout` on either side moves rows
+(:mod:`mimo_fx.rows`): one uneven all-to-all over both grids' ranks per direction. Its
+programs (:func:`~.lowering.lower_rows`) are the same for every plan; what changes with
+the batch is the *route*, the plan's part for this rank as tensors: index vectors (the
+programs' inputs) and counts (the programs' numbers). The layouts' batch travels as
+tensors too (:attr:`PackedLayout.data`), so under ``torch.compile`` one graph serves
+every batch: the route is computed while the graph runs, by the ordered op
+``mimo_fx::route``, which plans in Python on the batch it is given -- the same
+planning, and the same errors, as an eager call.
+
+:class:`RowSizing` answers what :class:`~.sizing.Sizing` answers for box bridges (which
+sizes are fixed, given or learned; the programs and their numbers) and the route.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from mimo_fx.errors import MimoFxError
+from mimo_fx.packed import PackedLayout
+from mimo_fx.plan import size_arguments
+from mimo_fx.rows import (
+    ROUTE_INDEX,
+    check_box_side,
+    is_row_layout,
+    plan_layouts,
+    route_tensors,
+    row_dims,
+)
+
+from . import lowering
+from .guard import runtime_check
+from .sizing import CALL_OPTIONS
+
+__all__ = ["RowSizing", "key_of"]
+
+CACHED_PLANS = 16  # batches whose routes a row bridge keeps (least recently used go)
+
+
+def key_of(layout):
+    """What a bridge is built for: a box layout itself, a row layout's structure (one
+    bridge serves every batch)."""
+    return layout.structure if is_row_layout(layout) else layout
+
+
+class RowSizing:
+    """Sizes, routes and programs of one row bridge for ``rank`` (see the module
+    docstring). ``src``/``dst`` are the layouts it is built with (a call may bring
+    other batches of the same structure)."""
+
+    def __init__(self, src, dst, fixed: dict | None, dtype: torch.dtype,
+                 grad_partial: tuple[str, ...], rank: int, context: str) -> None:
+        for lay in (src, dst):
+            if not is_row_layout(lay):
+                check_box_side(lay, row_dims(src, dst))
+        self.src, self.dst, self.dtype, self.rank = src, dst, dtype, rank
+        self.grad_partial, self.context = tuple(grad_partial), context
+        self.rows = row_dims(src, dst)
+        self.features = tuple(d for d in src.dims if d not in self.rows)
+        self.fixed = size_arguments(src, dst, fixed, {}, "Redistributor", ()) if fixed else {}
+        implied = self.rows if len(self.rows) == 1 and is_row_layout(src) \
+            and is_row_layout(dst) else ()
+        self.free = tuple(d for d in src.dims if d not in self.fixed and d not in implied)
+        self.union = tuple(sorted(set(src.grid.ranks) | set(dst.grid.ranks)))
+        union = (self.union,) if len(self.union) > 1 else ()
+        self.groups = {"forward": union, "backward": union}
+        self.template = None
+        self.granules: dict[str, int] = {}
+        self.variables = lowering.row_variables(len(self.union), self.features)
+        self.fwd_program, self.bwd_program = lowering.lower_rows(
+            self.union, self.features, src.holds(rank), dst.holds(rank))
+        self.print_ = 0
+        self._plans: OrderedDict[tuple, Any] = OrderedDict()
+        self._last = (src, dst)  # the batch of the last eager call
+        self.name = f"rows{next(_NAMES)}"  # a string: Dynamo never makes it symbolic
+        _ROWS[self.name] = self
+
+    # -- a call's sizes ------------------------------------------------------------------
+    def given(self, sizes, dim_sizes: dict) -> dict:
+        if sizes is None and not dim_sizes:
+            return {}
+        given = size_arguments(self.src, self.dst, sizes, dim_sizes, "bridge call",
+                               CALL_OPTIONS)
+        for d, n in given.items():
+            if d in self.fixed and n != self.fixed[d] and not isinstance(n, torch.SymInt):
+                raise MimoFxError(self.context + f"{d}={n!r} but the bridge was built with "
+                                  f"{d}={self.fixed[d]!r}; build it without {d!r} to vary it")
+        return given
+
+    def missing(self, given: dict) -> tuple[str, ...]:
+        return tuple(d for d in self.free if d not in given)
+
+    def size_row(self, x, device) -> torch.Tensor:
+        from .guard import int_tensor
+        from .learn import Row
+
+        ndim = 1 + len(self.features)
+        return int_tensor(Row.encode(x, ndim, self.print_), device)
+
+    def sizes_from(self, rows: torch.Tensor, known: dict, ranks=None) -> dict:
+        """The sizes the src holders' shapes show (see :mod:`.learn`): a box src's every
+        dim; a row src's features only (its rows are its batch's)."""
+        from .learn import learn_sizes
+
+        if not is_row_layout(self.src):
+            return learn_sizes(rows.tolist(), ranks or self.union, self.src, known,
+                               self.print_, self.dtype, self.context)
+        out = dict(known)
+        holders = [i for i, r in enumerate(ranks or self.union) if self.src.holds(r)]
+        row = rows.tolist()[holders[0]]
+        for k, d in enumerate(self.features):
+            out.setdefault(d, row[5 + k])
+        return out
+
+    # -- the route and the programs ------------------------------------------------------
+    def programs(self, full: dict, learned: frozenset, x=None, src=None, dst=None):
+        """``(fwd, bwd, env values, index inputs)`` for a call at ``full`` sizes moving
+        ``src``'s batch to ``dst``'s (default: the bridge's layouts)."""
+        src = self.src if src is None else src
+        dst = self.dst if dst is None else dst
+        device = x.device if isinstance(x, torch.Tensor) else None
+        if not torch.compiler.is_compiling():
+            self._last = (src, dst)
+        if torch.compiler.is_compiling():
+            index, counts = _route_op(f"{self.name}|{_spec(full, self.rows)}",
+                                      _data(src, full, self.rows, device),
+                                      _data(dst, full, self.rows, device))
+            values = counts.tolist()
+            digest = values.pop()
+            for v in values:
+                torch._check(v >= 0)
+        else:
+            route, index = self.route(src, dst, full, device)
+            values, digest = list(route.counts), self._digest(src, dst, full)
+        values += [full[d] for d in self.features]
+        return self.fwd_program, self.bwd_program, tuple(values), index, digest
+
+    def _digest(self, src, dst, full: dict) -> int:
+        """A batch's digest (checked mode compares it across ranks)."""
+        from .guard import fingerprint
+
+        return fingerprint(_key(src, full, self.rows), _key(dst, full, self.rows))
+
+    def plan(self, src, dst, full: dict):
+        """The row plan of a batch (every rank's part: checked mode names any rank's)."""
+        sizes = {d: full[d] for d in self.rows if d in full}
+        sizes.update({d: 1 for d in self.features})  # (rows do not depend on them)
+        try:
+            return plan_layouts(src, dst, sizes, self.dtype.itemsize, self.grad_partial)
+        except MimoFxError as err:
+            raise MimoFxError(self.context + str(err)) from None
+
+    def route(self, src, dst, full: dict, device=None):
+        """This rank's route for a batch and its index vectors (planned once per
+        batch, cached)."""
+        key = (_key(src, full, self.rows), _key(dst, full, self.rows), str(device))
+        hit = self._plans.get(key)
+        if hit is None:
+            route = self.plan(src, dst, full).route(self.rank)
+            hit = self._plans[key] = (route, route_tensors(route, device)[0])
+            if len(self._plans) > CACHED_PLANS:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return hit
+
+    def check_src(self, x, n_src) -> None:
+        """Under ``torch.compile``: ``x`` has the route's ``n_src`` rows (known when the
+        graph runs; eagerly the guard knows it already)."""
+        runtime_check("equal", (x.shape[0], n_src),
+                      self.context + f"rank {self.rank}: the local tensor has {{}} rows but "
+                      f"src holds {{}} rows on this rank in this batch; pass this rank's "
+                      f"piece of this batch")
+
+    def shape(self, side: str, rank: int, full: dict) -> tuple | None:
+        """``rank``'s local shape on ``side`` in the last batch this rank planned (what
+        messages say a rank was to pass)."""
+        layout = self.src if side == "src" else self.dst
+        if not layout.holds(rank):
+            return None
+        src, dst = self._last
+        plan = self.plan(src, dst, full)
+        rows = plan.src_rows if side == "src" else plan.dst_rows
+        n = len(rows[plan.index(rank)]) if rank in plan.ranks else 0
+        return (n, *(full[d] for d in self.features))
+
+    def forget(self) -> None:
+        self._plans.clear()
+        _ROWS.pop(self.name, None)
+
+
+# -- a batch as ints, and the route op ----------------------------------------------------
+def _key(layout, full: dict, rows: tuple[str, ...]) -> tuple:
+    if is_row_layout(layout):
+        return (layout.lengths, layout.tokens)
+    return tuple(full.get(d) for d in rows)
+
+
+def _data(layout, full: dict, rows: tuple[str, ...], device) -> torch.Tensor:
+    """A layout's batch as one int64 tensor: a row layout's own data, a box layout's
+    row sizes (a ragged dim's counts)."""
+    if is_row_layout(layout):
+        return layout.data
+    from .guard import int_tensor
+
+    values: list = []
+    for d in rows:
+        n = full[d]
+        values += list(n) if isinstance(n, tuple) else [n]
+    return int_tensor(values, "cpu")
+
+
+def _from_data(layout, values: list[int], rows: tuple[str, ...], full: dict):
+    """The layout (and row sizes) a batch's ints stand for."""
+    if is_row_layout(layout):
+        return PackedLayout.from_data(layout.structure, values), {}
+    sizes: dict = {}
+    at = 0
+    for d in rows:
+        n = full[d]
+        if isinstance(n, tuple):
+            sizes[d] = tuple(values[at:at + len(n)])
+            at += len(n)
+        else:
+            sizes[d] = values[at]
+            at += 1
+    return layout, sizes
+
+
+_ROWS: weakref.WeakValueDictionary[str, RowSizing] = weakref.WeakValueDictionary()
+_NAMES = itertools.count()
+_LIB = torch.library.Library("mimo_fx", "FRAGMENT")
+_OUTPUTS = len(ROUTE_INDEX) + 1
+
+
+def _spec(full: dict, rows: tuple[str, ...]) -> str:
+    """The shape of a call's row sizes, for the route op: ``t=3`` (three counts) or
+    ``t`` (one size) per row dim."""
+    return ",".join(f"{d}={len(full[d])}" if isinstance(full.get(d), tuple) else d
+                    for d in rows)
+
+
+def _shape_of(spec: str) -> dict:
+    out: dict = {}
+    for part in filter(None, spec.split(",")):
+        d, _, n = part.partition("=")
+        out[d] = (0,) * int(n) if n else 0
+    return out
+
+
+def _route_impl(src_data: torch.Tensor, dst_data: torch.Tensor, bridge: str):
+    name, _, spec = bridge.partition("|")
+    sizing = _ROWS[name]
+    full = _shape_of(spec)
+    src, s_sizes = _from_data(sizing.src, src_data.tolist(), sizing.rows, full)
+    dst, d_sizes = _from_data(sizing.dst, dst_data.tolist(), sizing.rows, full)
+    full = {**s_sizes, **d_sizes}
+    route, index = sizing.route(src, dst, full, src_data.device)
+    counts = torch.tensor((*route.counts, sizing._digest(src, dst, full)), dtype=torch.int64)
+    return (*(t.clone() for t in index), counts)
+
+
+def _route_fake(src_data, dst_data, bridge: str):
+    ctx = torch.library.get_ctx()
+    index = [src_data.new_empty((ctx.new_dynamic_size(),)) for _ in ROUTE_INDEX]
+    n = len(_ROWS[bridge.partition("|")[0]].union)
+    return (*index, src_data.new_empty((4 * n + 4,)))  # the counts, then the digest
+
+
+try:
+    _ROUTE = torch.ops.mimo_fx.route.default
+except AttributeError:  # (this module may be executed twice, e.g. by a doctest run)
+    _LIB.define("route(Tensor src_data, Tensor dst_data, str bridge) -> ("
+                + ", ".join(["Tensor"] * _OUTPUTS) + ")")
+    _LIB.impl("route", _route_impl, "CompositeExplicitAutograd")
+    torch.library.register_fake("mimo_fx::route", _route_fake, lib=_LIB)
+    _ROUTE = torch.ops.mimo_fx.route.default
+
+
+def _route_op(bridge: str, src_data: torch.Tensor, dst_data: torch.Tensor):
+    out = _ROUTE(src_data, dst_data, bridge)
+    index = tuple(out[:-1])
+    for t in index:
+        torch._check(t.shape[0] >= 0)
+    return index, out[-1]

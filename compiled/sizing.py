@@ -1,0 +1,303 @@
+"""A bridge's sizes: fixed, given per call, or learned; its templates and programs.
+
+Dims whose sizes a bridge is built with are *fixed*; the others are *free*: a call gives
+them (``bridge(x, s=4096)``) or, where it does not, every rank learns them from the
+ranks holding src (one small all-gather of int64 shapes, see :mod:`.learn`; the bridge
+runs it, this part only says when and reads the answer). With free dims the bridge
+plans once, at sizes its layouts choose, a *template* (:mod:`mimo_fx.sizes`) whose
+lowered programs hold polynomials in the sizes: every size the template serves (free
+even sizes multiples of :attr:`Sizing.granules`) runs those programs with no planning,
+and under ``torch.compile`` one graph serves them all. Other sizes (uneven cuts, counts
+that an even cut splits) are planned one by one and cached (at most
+:data:`CACHED_SIZES`); under ``torch.compile`` each such size is its own graph.
+
+Pure but for its cache: no collective, no process group (the groups it *needs*, per
+direction, are listed in :attr:`Sizing.groups` for the lease to create).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import OrderedDict
+from math import lcm
+from typing import Any
+
+import torch
+
+from mimo_fx.errors import MimoFxError
+from mimo_fx.layout import Layout
+from mimo_fx.plan import backward_layouts, check_sizes, plan_for_rank, plan_groups, size_arguments
+from mimo_fx.sizes import Template, canonical_sizes
+from mimo_fx.symbolic import Expr
+
+from . import lowering
+from .guard import runtime_check
+
+__all__ = ["Sizing", "CACHED_SIZES", "CALL_OPTIONS"]
+
+CACHED_SIZES = 64   # sizes whose programs a bridge keeps (least recently used go)
+CALL_OPTIONS = ("sizes",)
+
+
+def _size_key(sizes: dict) -> tuple:
+    return tuple(sorted(sizes.items()))
+
+
+class Sizing:
+    """Sizes and programs of one ``src -> dst`` bridge for ``rank`` (see the module
+    docstring). ``context`` prefixes its errors (the bridge's description)."""
+
+    def __init__(self, src: Layout, dst: Layout, fixed: dict | None, dtype: torch.dtype,
+                 grad_partial: tuple[str, ...], rank: int, context: str) -> None:
+        self.src, self.dst, self.dtype, self.rank = src, dst, dtype, rank
+        self.context = context
+        self.print_ = 0  # the bridge's fingerprint, which size rows carry (set by it)
+        self.fixed = size_arguments(src, dst, fixed, {}, "Redistributor", ()) if fixed else {}
+        self.free = tuple(d for d in src.dims if d not in self.fixed)
+        self.adjoint = backward_layouts(src, dst, grad_partial)
+        self.union = tuple(sorted(set(src.grid.ranks) | set(dst.grid.ranks)))
+        self.template: Template | None = None
+        sizes = self._plan_shapes(grad_partial)
+        # every rank lists the same groups in the same order, from the decisions the
+        # plans share (no rank plans another's transfers): per direction, each issued
+        # on groups of its own (a forward never pairs with a backward)
+        self.groups = {"forward": self._groups((src, dst), sizes),
+                       "backward": self._groups(self.adjoint, sizes)}
+        self._lower_programs()
+        self._cache: OrderedDict[tuple, tuple] = OrderedDict()
+        _SIZINGS[id(self)] = self
+
+    # -- building ------------------------------------------------------------------------
+    def _groups(self, layouts: tuple[Layout, Layout], sizes: dict
+                ) -> tuple[tuple[int, ...], ...]:
+        groups = list(plan_groups(layouts[0], layouts[1], sizes))
+        if self.free and len(self.union) > 1 and self.union not in groups:
+            groups.append(self.union)  # for sizes whose gathers find no group
+        return tuple(groups)
+
+    def _plan_shapes(self, grad_partial: tuple[str, ...]) -> dict:
+        """This rank's parts of the plans the bridge is built on: at its sizes when all
+        are fixed, else at the template sizes its layouts choose (then also the
+        template). Returns those sizes."""
+        src, dst, dtype = self.src, self.dst, self.dtype
+        sizes: dict
+        if not self.free:
+            sizes = self.fixed
+        else:
+            ragged = set(src.ragged_dims) | set(dst.ragged_dims)
+            counts = {d: lcm(src.shards(d), dst.shards(d)) for d in self.free if d in ragged}
+            sizes = canonical_sizes(src, dst, self.fixed, counts)
+        check_sizes(src, dst, sizes)
+        self.fwd = plan_for_rank(src, dst, sizes, dtype, rank=self.rank)
+        self.bwd = plan_for_rank(*self.adjoint, sizes, dtype, rank=self.rank)
+        if self.free:
+            self.template = Template.build(src, dst, sizes, dtype.itemsize, grad_partial,
+                                           self.free, rank=self.rank)
+        return sizes
+
+    def _lower_programs(self) -> None:
+        t = self.template
+        if not self.free:
+            self.fwd_program = lowering.lower(self.fwd, self.rank)
+            self.bwd_program = lowering.lower(self.bwd, self.rank)
+        elif t is not None:
+            self.fwd_program = lowering.lower(t.fwd, self.rank, t.fwd_sym)
+            self.bwd_program = lowering.lower(t.bwd, self.rank, t.bwd_sym)
+            # a new size evaluates only this rank's polynomials
+            self._at = (lowering.evaluator(self.fwd_program),
+                        lowering.evaluator(self.bwd_program))
+        else:
+            self.fwd_program = self.bwd_program = None  # type: ignore[assignment]
+
+    @property
+    def granules(self) -> dict[str, int]:
+        """Per free even dim, the sizes one compiled graph serves are multiples of this
+        (empty when the bridge has no template: every size is planned by itself)."""
+        return dict(self.template.granules) if self.template else {}
+
+    @property
+    def variables(self) -> tuple:
+        """The template's variables (the env's keys, in order); () without one."""
+        return self.template.variables if self.template is not None else ()
+
+    # -- a call's sizes ------------------------------------------------------------------
+    def given(self, sizes, dim_sizes: dict) -> dict:
+        """The sizes a call gives, checked against the fixed ones."""
+        if sizes is None and not dim_sizes:
+            return {}
+        given = size_arguments(self.src, self.dst, sizes, dim_sizes, "bridge call",
+                               CALL_OPTIONS)
+        for d, n in given.items():
+            if d in self.fixed and not _same(n, self.fixed[d]):
+                raise MimoFxError(
+                    self.context + f"{d}={n!r} but the bridge was built with {d}="
+                    f"{self.fixed[d]!r}; build it without {d!r} to vary it")
+        return given
+
+    def missing(self, given: dict) -> tuple[str, ...]:
+        """The free dims a call with ``given`` sizes must learn."""
+        return tuple(d for d in self.free if d not in given)
+
+    def size_row(self, x, device) -> torch.Tensor:
+        """This rank's row of the size exchange (see :mod:`.learn`)."""
+        from .guard import int_tensor
+        from .learn import Row
+
+        return int_tensor(Row.encode(x, len(self.src.local_dims), self.print_), device)
+
+    def sizes_from(self, rows: torch.Tensor, known: dict, ranks=None) -> dict:
+        """Every size from the exchanged rows of ``ranks`` (default: both grids'),
+        ``known`` first; a bad row raises the same error on every rank."""
+        from .learn import learn_sizes
+
+        return learn_sizes(rows.tolist(), ranks or self.union, self.src, known,
+                           self.print_, self.dtype, self.context)
+
+    # -- programs ------------------------------------------------------------------------
+    def programs(self, full: dict, learned: frozenset,
+                 x=None) -> tuple[Any, Any, tuple | None]:
+        """This rank's forward and adjoint programs for ``full`` sizes, and the env a
+        template program's numbers are evaluated at (None: a plain program); ``x`` is
+        this rank's src tensor (it names learned sizes its shape shows)."""
+        if not self.free:
+            return self.fwd_program, self.bwd_program, None
+        if not torch.compiler.is_compiling():
+            return (*self.programs_at(_size_key(full)), None)
+        t = self.template
+        if t is not None and self._fits_compiled(t, full, learned):
+            env = t.env(full)
+            values = tuple(env[v] for v in t.variables)
+            if learned:
+                values = self._fresh(values, t.variables, x)
+                values = self._from_local(x, values, t, full)
+            return self.fwd_program, self.bwd_program, values
+        if learned:
+            raise MimoFxError(
+                self.context + f"sizes learned under torch.compile must fit the bridge's "
+                f"template ({t.describe() if t else 'none: its plan depends on the sizes'}); "
+                f"give the sizes in the call, or run these sizes eagerly")
+        # sizes the template does not serve: a graph of their own (Dynamo specialises)
+        key = _size_key({d: _concrete(n) for d, n in full.items()})
+        return (*_programs_for(id(self), key), None)
+
+    def _fits_compiled(self, t: Template, full: dict, learned: frozenset) -> bool:
+        """Whether traced sizes fit the template: a learned size is asserted to (the
+        graph then serves every size that does, and fails on one that does not), a given
+        one is tested (Dynamo guards on the test: a size that fails it recompiles)."""
+        for d, granule in t.granules.items():
+            n = full[d]
+            if d in learned:
+                message = (f"{self.context}the learned size {d}={{}} is not a multiple of "
+                           f"{granule} (bridge.granules), which a compiled call with learned "
+                           f"sizes needs; pad it, or give the sizes in the call")
+                runtime_check("multiple", (n, granule), message)
+            elif n % granule != 0:
+                return False
+        return all(len(full[d]) == m for d, m in t.counts.items())
+
+    def _fresh(self, values: tuple, variables: tuple, x) -> tuple:
+        """Learned values as fresh symbols: the exchange's sizes are sums and quotients
+        of the rows' unbacked entries, which the compiler's shape reasoning handles
+        badly (slices of unknown length); one symbol per variable, tied to its value by
+        a run-time check, keeps every program number a plain polynomial."""
+        from .guard import int_tensor
+
+        device = x.device if isinstance(x, torch.Tensor) else "cpu"
+        fresh = int_tensor(values, device).tolist()
+        for new, old, var in zip(fresh, values, variables):
+            torch._check(new == old)
+            torch._check(new >= (1 if var[0] == "u" else 0))
+        return tuple(fresh)
+
+    def _from_local(self, x, values: tuple, t: Template, full: dict) -> tuple:
+        """On a rank holding src, each variable its own tensor shows -- a local dim that is
+        ``c * u[d]``, or its own ragged count -- taken from the tensor's (backed) shape,
+        asserted equal to the learned size: the program's slices of that tensor are then
+        in the tensor's own sizes, which the compiler can bound."""
+        shape = self.fwd_program.src_shape
+        if not isinstance(x, torch.Tensor) or shape is None or x.dim() != len(shape):
+            return values
+        out = list(values)
+        message = (f"{self.context}rank {self.rank}: the local tensor's shape does not fit "
+                   f"the learned sizes (sizes learned under torch.compile must be multiples "
+                   f"of bridge.granules); run the call eagerly to see why")
+        for have, want in zip(x.shape, shape):
+            if not isinstance(want, Expr) or len(want.terms) != 1:
+                continue
+            (mono, coef), = want.terms
+            if len(mono) != 1:
+                continue
+            var = mono[0]
+            if have % coef != 0:  # known while tracing (Dynamo guards on it if symbolic)
+                raise MimoFxError(message)
+            if var[0] == "u":  # have == coef * n / granules, without a quotient
+                learned = full[var[1]]
+                _check(have * t.granules[var[1]] == coef * learned, message)
+            else:
+                _check(have == coef * full[var[1]][var[2]], message)
+            out[t.variables.index(var)] = have // coef if coef != 1 else have
+        return tuple(out)
+
+    def programs_at(self, key: tuple) -> tuple[Any, Any]:
+        """Plain programs for concrete sizes: the template's evaluated, or a plan of their
+        own; the least recently used of ``CACHED_SIZES`` sizes are kept."""
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        full = dict(key)
+        t = self.template
+        if t is not None and t.fits(full):
+            env = t.env(full)
+            progs = (self._at[0](env), self._at[1](env))
+        else:
+            check_sizes(self.src, self.dst, full)
+            progs = (lowering.lower(self._rank_plan((self.src, self.dst), full), self.rank),
+                     lowering.lower(self._rank_plan(self.adjoint, full), self.rank))
+        self._cache[key] = progs
+        if len(self._cache) > CACHED_SIZES:
+            self._cache.popitem(last=False)
+        return progs
+
+    def _rank_plan(self, layouts: tuple[Layout, Layout], sizes: dict):
+        """This rank's part of the plan at ``sizes``; where it would gather over groups
+        the bridge did not create, the exchange is one all-to-all over the union (created
+        for this): process groups never depend on sizes, and every rank decides alike."""
+        made = set(self.groups["forward" if layouts == (self.src, self.dst) else "backward"])
+        missing = not set(plan_groups(*layouts, sizes)) <= made
+        return plan_for_rank(*layouts, sizes, self.dtype, rank=self.rank, all_to_all=missing)
+
+    def forget(self) -> None:
+        """Drop the cached programs and the registration (the bridge is destroyed)."""
+        self._cache.clear()
+        _SIZINGS.pop(id(self), None)
+
+
+# sizings by id, for the compiled path that plans sizes of their own at trace time
+_SIZINGS: dict[int, Sizing] = {}
+
+
+@torch.compiler.assume_constant_result
+def _programs_for(sizing: int, key: tuple) -> tuple[Any, Any]:
+    """A bridge's plain programs for sizes its template does not serve: computed while
+    tracing (a constant of the graph, which Dynamo then guards on these sizes)."""
+    return _SIZINGS[sizing].programs_at(key)
+
+
+def _check(ok, message: str) -> None:
+    """A run-time check under ``torch.compile`` with a fixed message (the message of
+    ``torch._check`` must not close over traced values)."""
+    torch._check(ok, lambda: message)
+
+
+def _concrete(n):
+    """A traced size as a Python int (Dynamo specialises the graph to it)."""
+    if isinstance(n, tuple):
+        return tuple(operator.index(c) for c in n)
+    return operator.index(n)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return True  # a traced size is checked against the tensor, not here
+    return tuple(a) == tuple(b) if isinstance(a, tuple | list) else a == b

@@ -1,0 +1,99 @@
+"""How long a bridge waits for its peers, and what a failed wait says.
+
+Every collective a bridge issues runs on a process group created with the timeout
+:func:`timeout_seconds` (environment variable ``MIMO_FX_TIMEOUT``, seconds; 300 by
+default, well under gloo's and NCCL's 30 minutes), read when the group is created. A
+rank whose peer never comes -- it skipped a call or its backward, or left -- gets an
+error after that long instead of waiting forever.
+
+>>> import os; os.environ.pop("MIMO_FX_TIMEOUT", None) is None or True
+True
+>>> timeout_seconds()
+300.0
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+from mimo_fx.errors import MimoFxError
+
+__all__ = ["timeout_seconds", "wait_time", "cause", "ENV", "DEFAULT", "register", "site",
+           "ran", "failed", "calls"]
+
+ENV = "MIMO_FX_TIMEOUT"
+LEGACY = "MIMO_FX_CHECK_TIMEOUT"  # the name of the check groups' timeout before it
+DEFAULT = 300.0
+
+
+def timeout_seconds() -> float:
+    """Seconds a bridge's collective waits for its peers (``MIMO_FX_TIMEOUT``)."""
+    name = ENV if ENV in os.environ else LEGACY if LEGACY in os.environ else None
+    text = os.environ.get(name, str(DEFAULT)) if name else str(DEFAULT)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise MimoFxError(f"{name}={text!r} must be a positive number of seconds")
+    return seconds
+
+
+def wait_time() -> str:
+    """The timeout, as a message states it."""
+    return f"{ENV}={timeout_seconds():g} s"
+
+
+def cause(err: BaseException) -> str:
+    """A runtime error in one line, for a message that explains it (gloo and NCCL
+    errors run to many lines)."""
+    return f"{err.__class__.__name__}: {str(err).splitlines()[0][:200]}"
+
+
+# -- where a collective was issued: a bridge, a direction, an op of its program ------------
+_BRIDGES: dict[str, str] = {}   # a bridge's name -> what errors call it
+_RAN: Counter[str] = Counter()  # a site -> how many times its collective completed
+
+
+def register(name: str, description: str) -> None:
+    """Name a bridge for the errors of the collectives it issues."""
+    _BRIDGES[name] = description
+
+
+def site(name: str, direction: str, index: int, ranks: tuple[int, ...]) -> str:
+    """The site of op ``index`` of bridge ``name``'s ``direction`` program, over
+    ``ranks`` (a string: a constant under ``torch.compile``)."""
+    return f"{name}|{direction}|{index}|{','.join(map(str, ranks))}"
+
+
+def ran(site_: str) -> None:
+    """A collective of ``site_`` completed (counted where it runs, eager or compiled)."""
+    if site_:
+        _RAN[site_] += 1
+
+
+def calls(name: str, direction: str) -> int:
+    """How many ``direction`` calls of bridge ``name`` this rank completed (those whose
+    program issues a collective)."""
+    return sum(n for s, n in _RAN.items() if s.startswith(f"{name}|{direction}|0|"))
+
+
+def failed(site_: str, kind, err: BaseException) -> MimoFxError:
+    """The error for a collective of ``site_`` whose wait failed: which bridge,
+    direction, call and group, the likely cause, and what this rank has run."""
+    if not site_:
+        return MimoFxError(f"a mimo_fx {kind} failed ({cause(err)})")
+    name, direction, _, ranks = site_.split("|")
+    n = _RAN[site_] + 1
+    peer_gone = any(m in str(err) for m in ("closed by peer", "reset by peer", "Broken pipe"))
+    why = ("a rank of the group left (it raised, or its process ended)" if peer_gone else
+           "a rank skipped this call or the backward of an earlier one, or called another "
+           "bridge first, or left; or requires_grad differs by rank (a rank whose input "
+           "does not require grad runs no backward)")
+    return MimoFxError(
+        f"{_BRIDGES.get(name, name)}: the {direction} of call {n} failed in {kind} over "
+        f"ranks ({ranks}) ({cause(err)}). Likely cause: {why}. This rank has completed "
+        f"{calls(name, 'forward')} forward and {calls(name, 'backward')} backward calls of "
+        f"this bridge; every rank of both grids runs every call and its backward "
+        f"({wait_time()})")

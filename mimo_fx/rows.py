@@ -1,0 +1,560 @@
+"""Row plans: layouts given row by row, each dst rank receiving exactly the rows it needs.
+
+Some layouts are not boxes: a packed sequence (:class:`~mimo_fx.packed.PackedLayout`)
+gives each rank the tokens of its chunks of every sequence, image tokens land wherever
+the text puts them. Such a layout says, per rank, which global row (along the tensor's
+first dims, flattened) each of its local rows holds -- ``-1`` for a padding row, zero
+in the piece and holding no row. :func:`plan_rows` moves rows between two such maps (a
+box layout gives its map with :func:`layout_rows`), pure and deterministic:
+
+- a rank never receives a row it holds itself: it copies it locally;
+- any other needed row reaches a receiver once, however often the receiver uses it, so
+  each rank receives exactly its lower bound (its distinct needed rows it does not hold);
+- a row held by several src ranks has one *sender*: rows go, heaviest first (most
+  receivers), to the holder with the least load so far, ties to the lowest rank.
+
+The backward is the adjoint under DESIGN's rules: every holder of a row gets that row's
+full gradient (the sum of the cotangents of every dst position it fed); a dst rank's
+cotangents count unless it is a replica of another (``counted``: the ranks whose
+cotangents count; a dst replicated over an axis takes them as consistent, as box plans
+do, unless ``grad_partial`` names the axis). Each direction is one uneven
+``all_to_all`` over the plan's ranks (a rank's own rows take its self split: a local
+copy), its per-rank numbers in :class:`RankRoute`, so executors decide nothing.
+
+>>> p = plan_rows({0: [0, 1], 1: [2, 3]}, {0: [3, 0, 3], 1: [1]}, n_rows=4)
+>>> print(p)
+rows: 4 rows over ranks (0, 1), 1 all_to_all each way
+  forward: 0 -> 1: rows [1]; 1 -> 0: rows [3]
+  cost: max recv 1 row(s)/rank (lower bound 1)
+>>> p.received(), p.needed_rows()
+({0: 1, 1: 1}, {0: 1, 1: 1})
+>>> p.route(0).gather  # rank 0's dst rows from what it receives: its own 0, then 3
+(1, 0, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from .errors import MimoFxError
+
+__all__ = ["RankRoute", "RowPlan", "plan_rows", "layout_rows", "seed_bytes", "ROUTE_INDEX",
+           "route_tensors"]
+
+Ints = tuple[int, ...]
+
+# the index vectors of a route, in order (see RankRoute)
+ROUTE_INDEX = ("send_index", "gather", "dst_pos", "bwd_pos", "unique", "bsend_index",
+               "recv_local")
+
+
+@dataclass(frozen=True)
+class RankRoute:
+    """One rank's part of a row plan, both directions (every count per peer, in the
+    plan's rank order, the rank's own split included).
+
+    Forward: ``send = x[send_index]`` cut by ``send_counts``; it receives ``recv_counts``
+    rows per peer; its dst piece is ``n_dst`` rows, zero but at ``dst_pos``, where
+    ``received[gather]`` go. Backward: its counted cotangent rows ``g[bwd_pos]`` summed
+    per distinct row into ``n_unique`` slots (``unique[k]``: row ``k``'s slot); ``send =
+    sums[bsend_index]`` cut by ``bsend_counts``; ``brecv_counts`` rows arrive per peer
+    and add to its src gradient (``n_src`` rows) at ``recv_local``.
+    """
+
+    send_index: Ints
+    send_counts: Ints
+    recv_counts: Ints
+    gather: Ints
+    dst_pos: Ints
+    n_dst: int
+    bwd_pos: Ints
+    unique: Ints
+    n_unique: int
+    bsend_index: Ints
+    bsend_counts: Ints
+    brecv_counts: Ints
+    recv_local: Ints
+    n_src: int
+
+    @property
+    def counts(self) -> Ints:
+        """Every count in one vector: forward send and receive, backward send and
+        receive (one per rank each), then ``n_unique``, ``n_src``, ``n_dst``."""
+        return (*self.send_counts, *self.recv_counts, *self.bsend_counts,
+                *self.brecv_counts, self.n_unique, self.n_src, self.n_dst)
+
+
+def route_tensors(route: RankRoute, device=None) -> tuple[tuple[torch.Tensor, ...],
+                                                           torch.Tensor]:
+    """A route as tensors: its index vectors (int64, on ``device``) and its counts (one
+    int64 CPU vector) -- what a compiled step takes as inputs, so one graph serves every
+    plan."""
+    index = tuple(torch.tensor(getattr(route, name), dtype=torch.int64, device=device)
+                  for name in ROUTE_INDEX)
+    return index, torch.tensor(route.counts, dtype=torch.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class RowPlan:
+    """Who sends which rows to whom, both directions (see the module docstring).
+
+    ``src_rows``/``dst_rows``: per rank of :attr:`ranks`, the global row of each local
+    row (-1: padding); ``counted``: the dst ranks whose cotangents count;
+    ``sender``: per global row, the rank that sends it (-1 if nobody needs it from
+    another rank); ``sends[i][j]``: the rows ``ranks[i]`` sends ``ranks[j]``, rising.
+    """
+
+    n_rows: int
+    ranks: Ints
+    src_rows: tuple[Ints, ...]
+    dst_rows: tuple[Ints, ...]
+    counted: frozenset[int]
+    sender: tuple[int, ...]
+    sends: tuple[tuple[Ints, ...], ...]
+    row_bytes: int = 4  # bytes of one row (its elements times the item size)
+    src: Any = None  # the layouts planned between (plan_layouts), None for raw maps
+    dst: Any = None
+
+    def index(self, rank: int) -> int:
+        """The position of ``rank`` in :attr:`ranks`."""
+        if rank not in self.ranks:
+            raise MimoFxError(f"rank {rank} takes no part in this plan; its ranks are "
+                              f"{self.ranks}")
+        return self.ranks.index(rank)
+
+    @cached_property
+    def _holders(self) -> list[list[int]]:
+        return _holders(self.ranks, self.src_rows, self.n_rows)
+
+    @cached_property
+    def _backward_sends(self) -> list[list[list[int]]]:
+        """``[i][j]``: the distinct rows counted rank ``ranks[i]`` sends holder
+        ``ranks[j]`` backward (not itself)."""
+        holders = self._holders
+        out = []
+        for i, r in enumerate(self.ranks):
+            used = sorted({g for g in self.dst_rows[i] if g >= 0}) if r in self.counted \
+                else []
+            out.append([[g for g in used if h in holders[g]] if j != i else []
+                        for j, h in enumerate(self.ranks)])
+        return out
+
+    def route(self, rank: int) -> RankRoute:
+        """``rank``'s part of the plan, both directions."""
+        i = self.index(rank)
+        src, dst = self.src_rows[i], self.dst_rows[i]
+        local = {g: k for k, g in enumerate(src) if g >= 0}
+        own = sorted({g for g in dst if g in local})
+        recv = [g for s in range(len(self.ranks)) for g in
+                (own if s == i else self.sends[s][i])]  # arrival order
+        where = {g: k for k, g in enumerate(recv)}
+        send = [local[g] for j in range(len(self.ranks))
+                for g in (own if j == i else self.sends[i][j])]
+        real = [k for k, g in enumerate(dst) if g >= 0]
+        counted = rank in self.counted
+        distinct = sorted({dst[k] for k in real}) if counted else []
+        slot = {g: k for k, g in enumerate(distinct)}
+        bsends = self._backward_sends
+        bsend_rows = [[g for g in distinct if g in local] if j == i else bsends[i][j]
+                      for j in range(len(self.ranks))]
+        came = [bsends[j][i] if j != i else bsend_rows[i] for j in range(len(self.ranks))]
+        return RankRoute(
+            send_index=tuple(send),
+            send_counts=tuple(len(own) if j == i else len(self.sends[i][j])
+                              for j in range(len(self.ranks))),
+            recv_counts=tuple(len(own) if s == i else len(self.sends[s][i])
+                              for s in range(len(self.ranks))),
+            gather=tuple(where[dst[k]] for k in real), dst_pos=tuple(real), n_dst=len(dst),
+            bwd_pos=tuple(real) if counted else (),
+            unique=tuple(slot[dst[k]] for k in real) if counted else (),
+            n_unique=len(distinct),
+            bsend_index=tuple(slot[g] for rows in bsend_rows for g in rows),
+            bsend_counts=tuple(len(rows) for rows in bsend_rows),
+            brecv_counts=tuple(len(rows) for rows in came),
+            recv_local=tuple(local[g] for rows in came for g in rows), n_src=len(src))
+
+    # -- cost ---------------------------------------------------------------------------
+    def received(self, direction: str = "forward") -> dict[int, int]:
+        """Rows each rank receives from other ranks in ``direction``."""
+        return {r: sum(n for j, n in enumerate(c) if j != i)
+                for i, (r, c) in enumerate(zip(self.ranks, self._counts(direction, 1)))}
+
+    def sent(self, direction: str = "forward") -> dict[int, int]:
+        """Rows each rank sends to other ranks in ``direction``."""
+        return {r: sum(n for j, n in enumerate(c) if j != i)
+                for i, (r, c) in enumerate(zip(self.ranks, self._counts(direction, 0)))}
+
+    def _counts(self, direction: str, received: int) -> list[Ints]:
+        if direction not in ("forward", "backward"):
+            raise MimoFxError(f"direction must be 'forward' or 'backward', got "
+                              f"{direction!r}")
+        if direction == "forward":
+            rows = [[len(self.sends[i][j]) for j in range(len(self.ranks))]
+                    for i in range(len(self.ranks))]
+        else:
+            rows = [[len(s) for s in per] for per in self._backward_sends]
+        if received:
+            rows = [list(col) for col in zip(*rows)]
+        return [tuple(r) for r in rows]
+
+    def pairs(self, direction: str = "forward") -> dict[tuple[int, int], int]:
+        """Rows each rank sends each other rank in ``direction``: ``{(src, dst): rows}``."""
+        sent = self._counts(direction, 0)
+        return {(s, d): n for i, s in enumerate(self.ranks) for j, d in enumerate(self.ranks)
+                if i != j and (n := sent[i][j])}
+
+    def needed_rows(self) -> dict[int, int]:
+        """Per rank, the distinct rows it needs and does not hold: what any scheme must
+        bring it forward."""
+        return {r: len({g for g in d if g >= 0} - set(s))
+                for r, s, d in zip(self.ranks, self.src_rows, self.dst_rows)}
+
+    @property
+    def lower_bound(self) -> dict[int, int]:
+        """Per dst rank, the bytes of :meth:`needed_rows` (as ``Plan.lower_bound``)."""
+        holders = set(self.dst.holders) if self.dst is not None else set(self.ranks)
+        return {r: n * self.row_bytes for r, n in self.needed_rows().items() if r in holders}
+
+    def bytes(self, row_bytes: int | None = None) -> dict[int, dict[str, int]]:
+        """Bytes each rank sends and receives, per direction (rows of ``row_bytes``)."""
+        row = self.row_bytes if row_bytes is None else row_bytes
+        out: dict[int, dict[str, int]] = {}
+        for direction in ("forward", "backward"):
+            for kind, count in (("sent", self.sent), ("received", self.received)):
+                for r, n in count(direction).items():
+                    out.setdefault(r, {})[f"{direction}_{kind}"] = n * row
+        return out
+
+    @property
+    def bytes_sent(self) -> dict[int, int]:
+        """Forward bytes each rank sends (ranks that send nothing are absent)."""
+        return {r: n * self.row_bytes for r, n in self.sent().items() if n}
+
+    @property
+    def bytes_recv(self) -> dict[int, int]:
+        """Forward bytes each rank receives (ranks that receive nothing are absent)."""
+        return {r: n * self.row_bytes for r, n in self.received().items() if n}
+
+    @property
+    def max_recv(self) -> int:
+        return max(self.bytes_recv.values(), default=0)
+
+    @property
+    def max_lower_bound(self) -> int:
+        return max(self.lower_bound.values(), default=0)
+
+    @property
+    def max_sent(self) -> int:
+        return max(self.bytes_sent.values(), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        """Forward bytes summed over every rank."""
+        return sum(self.bytes_sent.values())
+
+    def __str__(self) -> str:
+        pairs = [f"{src} -> {dst}: rows {list(self.sends[i][j])}"
+                 for i, src in enumerate(self.ranks) for j, dst in enumerate(self.ranks)
+                 if self.sends[i][j]]
+        shown = "; ".join(pairs[:8]) + (f"; ... ({len(pairs)} pairs)" if len(pairs) > 8
+                                        else "")
+        if self.src is None or self.dst is None:  # raw row maps
+            bound = max(self.needed_rows().values(), default=0)
+            recv = max(self.received().values(), default=0)
+            return (f"rows: {self.n_rows} rows over ranks {self.ranks}, 1 all_to_all each "
+                    f"way\n  forward: {shown or '(nothing moves)'}\n"
+                    f"  cost: max recv {recv} row(s)/rank (lower bound {bound})")
+        from .text import format_bytes
+
+        src, dst = self.src, self.dst
+        return "\n".join([
+            f"plan {src.describe()} on {src.grid!r}",
+            f"  -> {dst.describe()} on {dst.grid!r}   ({self.n_rows} rows of "
+            f"{self.row_bytes} B)",
+            f"  1. all_to_all over {len(self.ranks)} ranks: {shown or 'nothing moves'}",
+            f"  cost: max recv {format_bytes(self.max_recv)}/rank (lower bound "
+            f"{format_bytes(self.max_lower_bound)}), max sent {format_bytes(self.max_sent)}"
+            f"/rank, total {format_bytes(self.total_bytes)}, 1 collective(s)"])
+
+
+def seed_bytes(n_rows: int, cp_ranks: Sequence[int], row_bytes: int,
+               held: Mapping[int, int] | None = None) -> dict[str, int]:
+    """Bytes the replicate-then-all-reduce scheme moves, summed over ranks: every cp rank
+    receives all ``n_rows`` (less the rows it ``held``), the backward all-reduces the
+    whole ``(n_rows, ...)`` gradient over cp (a ring: each rank receives
+    ``2*(cp-1)/cp`` of it), then returns each row's gradient to one src holder."""
+    held = held or {}
+    cp = len(cp_ranks)
+    forward = sum(n_rows - held.get(r, 0) for r in cp_ranks)
+    reduce = 2 * (cp - 1) * n_rows
+    back = n_rows - sum(held.get(r, 0) for r in cp_ranks)
+    return {"forward": forward * row_bytes, "backward": (reduce + back) * row_bytes}
+
+
+# -- rows of a box layout --------------------------------------------------------------
+def layout_rows(layout, sizes: Mapping[str, object], rows: Sequence[str]
+                ) -> dict[int, list[int]]:
+    """Per holder of ``layout``, the global rows its local tensor holds, in local order:
+    a box layout (an encoder's ``(dp b) s h``, or ``(dp t) h`` with ``ragged="dp"``) as
+    a row map.
+
+    ``rows`` are the layout's leading dims, flattened row-major into global row ids (row
+    ``b * S + s`` for ``("b", "s")``); the rest are a row's features and must not be cut
+    (a row plan moves whole rows: redistribute to a layout with whole rows first).
+    ``sizes`` gives every dim's size (a ragged dim's: its counts). TP replicas list the
+    same rows; a plan then sends each from one of them and returns its gradient to each.
+    """
+    from .layout import Layout
+    from .regions import Tiling, total
+
+    if not isinstance(layout, Layout):
+        raise MimoFxError(f"layout_rows needs a Layout, got {layout!r}")
+    rows = (rows,) if isinstance(rows, str) else tuple(rows)
+    dims = layout.dims
+    if not rows or dims[:len(rows)] != rows:
+        raise MimoFxError(f"layout_rows: rows={rows} must be the leading dims of "
+                          f"{layout.describe()!r}, whose dims are {dims}")
+    missing = [d for d in dims if d not in sizes]
+    if missing:
+        raise MimoFxError(f"layout_rows: give the size of every dim of "
+                          f"{layout.describe()!r}; missing {missing}")
+    cut = [d for d in dims[len(rows):] if layout.sharding[d]]
+    if cut or layout.partial:
+        raise MimoFxError(f"{layout.describe()!r} cuts a row's features "
+                          f"{cut or ''}{' (partial)' if layout.partial else ''}; a row plan "
+                          f"moves whole rows, so redistribute to a layout that keeps "
+                          f"{list(dims[len(rows):])} whole first")
+    tiling = Tiling.of(layout, dims, {d: sizes[d] for d in dims})  # type: ignore[misc]
+    extents = [total(sizes[d]) for d in rows]  # type: ignore[arg-type]
+    out = {}
+    for rank in layout.holders:
+        ids = torch.zeros((), dtype=torch.int64)
+        for extent, segments in zip(extents, tiling.segments(rank)[:len(rows)]):
+            held = torch.cat([torch.arange(a, b) for a, b in segments]) if segments \
+                else torch.zeros(0, dtype=torch.int64)
+            ids = (ids.unsqueeze(-1) * extent + held).flatten()
+        out[rank] = ids.tolist()
+    return out
+
+
+# -- the planner --------------------------------------------------------------------------
+def plan_rows(src_rows: Mapping[int, object], dst_rows: Mapping[int, object],
+              n_rows: int, counted=None, row_bytes: int = 4) -> RowPlan:
+    """The plan moving the rows ``dst_rows`` needs from the ranks ``src_rows`` says hold
+    them (both ``{rank: global row of each local row}``, ``-1`` a padding row; a rank
+    missing from one mapping holds, or needs, nothing). ``counted``: the dst ranks
+    whose cotangents count backward (default: all); ``row_bytes``: for the byte counts."""
+    n = _check_n_rows(n_rows)
+    src = {r: _check_rows(rows, n, f"src_rows[{r}]") for r, rows in _check_map(
+        src_rows, "src_rows").items()}
+    dst = {r: _check_rows(rows, n, f"dst_rows[{r}]") for r, rows in _check_map(
+        dst_rows, "dst_rows").items()}
+    ranks = tuple(sorted(set(src) | set(dst)))
+    srcs = tuple(src.get(r, ()) for r in ranks)
+    dsts = tuple(dst.get(r, ()) for r in ranks)
+    _check_src_distinct(ranks, srcs)
+    holders = _holders(ranks, srcs, n)
+    _check_held(ranks, dsts, holders)
+    sender = _choose_senders(ranks, srcs, dsts, holders, n)
+    sends = tuple(tuple(tuple(sorted({g for g in dsts[j] if g >= 0 and sender[g] == s
+                                      and g not in set(srcs[j])}))
+                        for j in range(len(ranks))) for s in ranks)
+    counted_set = frozenset(dst) if counted is None else frozenset(counted) & frozenset(dst)
+    return RowPlan(n, ranks, srcs, dsts, counted_set, sender, sends, row_bytes)
+
+
+def _holders(ranks: Ints, srcs: tuple[Ints, ...], n: int) -> list[list[int]]:
+    """Per global row, the ranks holding it, rising."""
+    holders: list[list[int]] = [[] for _ in range(n)]
+    for r, rows in zip(ranks, srcs):
+        for g in rows:
+            if g >= 0:
+                holders[g].append(r)
+    return holders
+
+
+def _choose_senders(ranks: Ints, srcs: tuple[Ints, ...], dsts: tuple[Ints, ...],
+                    holders: list[list[int]], n: int) -> tuple[int, ...]:
+    """One sender per row some rank needs and lacks: heaviest rows first, each to the
+    holder that has the least to send so far (ties: lowest rank)."""
+    weight = [0] * n
+    for need, have in zip(dsts, srcs):
+        for g in set(need) - set(have) - {-1}:
+            weight[g] += 1
+    load = dict.fromkeys(ranks, 0)
+    sender = [-1] * n
+    for g in sorted(range(n), key=lambda g: (-weight[g], g)):
+        if weight[g]:
+            s = min(holders[g], key=lambda r: (load[r], r))
+            sender[g] = s
+            load[s] += weight[g]
+    return tuple(sender)
+
+
+# -- validation ---------------------------------------------------------------------------
+def _check_n_rows(n_rows: object) -> int:
+    if isinstance(n_rows, bool) or not isinstance(n_rows, int) or n_rows < 0:
+        raise MimoFxError(f"n_rows must be a row count >= 0 (the global rows of the src "
+                          f"tensor), got {n_rows!r}")
+    return n_rows
+
+
+def _check_map(rows: object, what: str) -> Mapping[int, object]:
+    if not isinstance(rows, Mapping):
+        raise MimoFxError(f"{what} must map each rank to its global rows, e.g. "
+                          f"{{0: [0, 1], 1: [2]}}; got {rows!r}")
+    for r in rows:
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise MimoFxError(f"{what} has key {r!r}; keys are ranks (integers >= 0)")
+    return rows
+
+
+def _check_rows(rows: object, n: int, what: str) -> Ints:
+    if isinstance(rows, torch.Tensor):
+        if rows.dim() != 1 or rows.is_floating_point() or rows.is_complex() \
+                or rows.dtype == torch.bool:
+            raise MimoFxError(f"{what} must be a 1-D integer tensor of global rows, got "
+                              f"dtype {rows.dtype} and shape {tuple(rows.shape)}")
+        rows = rows.tolist()
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+        raise MimoFxError(f"{what} must be a sequence of global rows, got {rows!r}")
+    out = tuple(rows)
+    bad = [g for g in out if isinstance(g, bool) or not isinstance(g, int)
+           or not -1 <= g < n]
+    if bad:
+        raise MimoFxError(f"{what} has {bad[:8]}: rows must be integers in 0..{n - 1} "
+                          f"(n_rows = {n}), or -1 for a padding row")
+    return out
+
+
+def _check_src_distinct(ranks: Ints, srcs: tuple[Ints, ...]) -> None:
+    for r, rows in zip(ranks, srcs):
+        real = [g for g in rows if g >= 0]
+        if len(set(real)) != len(real):
+            twice = sorted({g for g in real if real.count(g) > 1})
+            raise MimoFxError(f"src_rows[{r}] lists rows {twice} more than once; a rank "
+                              f"holds each of its rows once (a replica lives on another "
+                              f"rank)")
+
+
+def _check_held(ranks: Ints, dsts: tuple[Ints, ...], holders: list[list[int]]) -> None:
+    for r, rows in zip(ranks, dsts):
+        orphans = sorted({g for g in rows if g >= 0 and not holders[g]})
+        if orphans:
+            raise MimoFxError(f"dst_rows[{r}] needs rows {orphans[:8]} that no src rank "
+                              f"holds; every needed row must appear in some src_rows")
+
+
+# -- plans between layouts ----------------------------------------------------------------
+def is_row_layout(layout: object) -> bool:
+    """Whether ``layout`` is given row by row (a :class:`~mimo_fx.packed.PackedLayout`)."""
+    from .packed import PackedLayout
+
+    return isinstance(layout, PackedLayout)
+
+
+def row_dims(src, dst) -> tuple[str, ...]:
+    """The dims a row plan between ``src`` and ``dst`` flattens into rows: the row
+    layout's (src's if both are)."""
+    return (src if is_row_layout(src) else dst).row_dims
+
+
+def _row_map(layout, sizes: Mapping[str, object], rows: tuple[str, ...]) -> dict[int, list]:
+    if is_row_layout(layout):
+        return {r: layout.rows(r).tolist() for r in layout.holders}
+    return layout_rows(layout, sizes, rows)
+
+
+def check_box_side(layout, rows: tuple[str, ...]) -> None:
+    """A box layout in a row plan: its first local dim is the rows, its other local
+    dims whole features (a row plan moves whole rows, and local tensors as
+    ``(rows, *features)``)."""
+    from .layout import Layout
+
+    if not isinstance(layout, Layout):
+        raise MimoFxError(f"a row plan needs layouts, got {type(layout).__name__} "
+                          f"{layout!r}")
+    first = tuple(f.dim for f in layout.local_dims[0])
+    rest = layout.local_dims[1:]
+    if first != rows or any(len(g) != 1 or g[0].axes for g in rest) or layout.partial:
+        flat = f"({' '.join(rows)})" if len(rows) > 1 else rows[0]
+        raise MimoFxError(
+            f"{layout.describe()!r} must hold whole rows to move to or from a packed "
+            f"layout: its first local dim the rows {rows} (e.g. '(dp {flat}) h'), every "
+            f"other dim a whole feature; reshape or redistribute to such a layout first")
+
+
+def _counted(layout, grad_partial: tuple[str, ...]) -> list[int]:
+    """The ranks whose cotangents count: one replica per set of replicas over the axes
+    not in ``grad_partial`` (their coordinate 0)."""
+    axes = [a for a in layout.replicated if a not in grad_partial]
+    return [r for r in layout.holders
+            if all(layout.grid.coord(r)[a] == 0 for a in axes)]
+
+
+def check_row_sizes(src, dst, sizes: Mapping[str, object]) -> dict[str, object]:
+    """Every dim's size for a row plan between ``src`` and ``dst``: ``sizes`` plus the
+    row layout's token count; raises if they disagree or one is missing."""
+    from .regions import total
+
+    if set(src.dims) != set(dst.dims):
+        raise MimoFxError(
+            f"src {src.describe()!r} and dst {dst.describe()!r} must name the same dims; "
+            f"only in src: {sorted(set(src.dims) - set(dst.dims))}, only in dst: "
+            f"{sorted(set(dst.dims) - set(src.dims))}")
+    rows = row_dims(src, dst)
+    out = dict(sizes)
+    for lay in (src, dst):
+        if not is_row_layout(lay):
+            continue
+        if len(rows) == 1 and rows[0] not in out:
+            out[rows[0]] = lay.n_rows
+        n = 1
+        for d in rows:
+            if d not in out:
+                raise MimoFxError(f"the size of {d!r} is needed: {rows} flatten into the "
+                                  f"rows of {lay.describe()!r}; give it (e.g. {d}=...)")
+            n *= total(out[d])  # type: ignore[arg-type]
+        if n != lay.n_rows:
+            raise MimoFxError(
+                f"{lay.describe()!r} holds {lay.n_rows} rows but the sizes of {rows} give "
+                f"{n} ({', '.join(f'{d}={out[d]}' for d in rows)}); both sides must hold the "
+                f"same rows")
+    missing = [d for d in src.dims if d not in out]
+    if missing:
+        raise MimoFxError(f"sizes miss dims {missing}; pass the global size of every dim, "
+                          f"e.g. {missing[0]}=...")
+    return out
+
+
+def plan_layouts(src, dst, sizes: Mapping[str, object], itemsize: int = 4,
+                 grad_partial: tuple[str, ...] = ()) -> RowPlan:
+    """The row plan from layout ``src`` to layout ``dst`` (one of them a row layout,
+    the other a row layout or a box layout whose leading dims are the rows)."""
+    from .regions import total
+
+    rows = row_dims(src, dst)
+    for lay in (src, dst):
+        if not is_row_layout(lay):
+            check_box_side(lay, rows)
+    full = check_row_sizes(src, dst, sizes)
+    n = 1
+    for d in rows:
+        n *= total(full[d])  # type: ignore[arg-type]
+    width = 1
+    for d in src.dims:
+        if d not in rows:
+            width *= full[d]  # type: ignore[operator]
+    for axis in grad_partial:
+        if axis not in dst.replicated:
+            raise MimoFxError(
+                f"grad_partial={grad_partial}: axis {axis!r} is not replicated in dst "
+                f"{dst.describe()!r} (replicated axes: {dst.replicated})")
+    p = plan_rows(_row_map(src, full, rows), _row_map(dst, full, rows), n,
+                  counted=_counted(dst, tuple(grad_partial)), row_bytes=width * itemsize)
+    return replace(p, src=src, dst=dst)
