@@ -41,7 +41,7 @@ LR = 0.05
 
 
 # -- the model
-def tiny_llava(attn: str = "sdpa") -> LlavaForConditionalGeneration:
+def tiny_llava() -> LlavaForConditionalGeneration:
     """CLIP vision (hidden 32) + projector + Llama (hidden 64, 4 heads, 2 KV heads)."""
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                               num_attention_heads=4, image_size=PX, patch_size=PATCH)
@@ -50,7 +50,7 @@ def tiny_llava(attn: str = "sdpa") -> LlavaForConditionalGeneration:
                        max_position_embeddings=64, tie_word_embeddings=False)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE,
                          vision_feature_layer=-1, vision_feature_select_strategy="default")
-    config._attn_implementation = attn
+    config._attn_implementation = "sdpa"
     torch.manual_seed(0)                          # the same weights on every rank
     return LlavaForConditionalGeneration(config).float()
 
@@ -129,21 +129,19 @@ def train(rank: int, world: int, steps: int = 3, backend: str = "aot_eager", lr:
         image = BaseModelOutputWithPooling(pooler_output=[bridge(None)])  # every image row
         return model(input_ids=ids, labels=labels, mm_encoder_outputs={"image": image}).loss
     # --
-    if rank >= 4:
+    if rank >= 4:  # a larger world's other ranks: they took part in making the groups
         return
-    opt = torch.optim.SGD(params.values(), lr=lr)
     # -- loop
+    opt = torch.optim.SGD(params.values(), lr=lr)
     for k in range(steps):
         ids, labels, pixels, counts = batch(k)
-        loss = None
-        if rank in (0, 1):
+        if rank in (0, 1):                                   # this rank's images, as rows
             mine = shard(pixels, Layout(enc, "(dp i) c y x", ragged="dp"), rank=rank, i=counts)
             torch._dynamo.decorators.mark_unbacked(mine, 0)  # 0, 1, 2, ... images: one graph
-            bridge(encoder(mine))                            # rows to ranks 2-3
-        else:
-            loss = lm_loss(ids, labels)
-        mimo_fx.backward(loss)       # the encoder ranks' backward runs through the bridge
-        yield k, loss, params
+            bridge(encoder(mine))                            # ... to ranks 2-3
+        loss = lm_loss(ids, labels) if rank in (2, 3) else None
+        mimo_fx.backward(loss)       # every rank; on 0-1 the bridge's backward, into FSDP2
+        yield k, loss, params        # (the main job compares the gradients here)
         opt.step()
         opt.zero_grad()
     # --
