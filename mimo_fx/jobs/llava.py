@@ -14,9 +14,9 @@ Llama; float32, the same seed on every rank) trained by ``docs/examples/llava_st
   backward is one ``mimo_fx.backward(loss)``.
 
 Ranks 4 and up of the job's 8-rank world are idle: they take part in making the process
-groups (every rank must) and in the job's report. No context parallelism: HF Llama's
-attention has no CP path, and torch's ``context_parallel`` needs SDPA kernels CPU/gloo
-lacks.
+groups (every rank must) and in the job's report. No context parallelism: transformers'
+CP is torch's ``context_parallel``, which has no sharding strategy for CPU's SDPA kernel
+(``aten._scaled_dot_product_flash_attention_for_cpu``).
 
 Every rank also trains the same model on one process (the whole batch, HF's own forward
 with ``pixel_values``) and compares its gradients every step and its parameters at the
