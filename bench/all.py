@@ -1,6 +1,6 @@
 """Every mimo_fx benchmark in one command, results written under ``bench/results/``.
 
-    python bench/all.py            # full runs (about 5 minutes on 2 cores)
+    python bench/all.py            # full runs (about 7 minutes on 2 cores)
     python bench/all.py --quick    # fewer sizes and calls, results not written
 
 Runs, one after the other so they do not disturb each other's timings:
@@ -17,6 +17,9 @@ Runs, one after the other so they do not disturb each other's timings:
 5. ``variable_sizes.py``: a new size per rank at 8-4096 ranks, the size exchange's cost,
    a compiled training loop with the length changing every step vs a fixed length
    -> ``variable_sizes.txt``.
+6. ``vlm_step.py``: a real VLM step (a tiny HF LLaVA, FSDP2 + DTensor TP, 4 gloo ranks):
+   mimo_fx vs a hand-written isend/irecv bridge vs all-gathering every image row
+   -> ``vlm_step.txt`` (skipped without transformers).
 
 Each results file starts with the command, the date and the machine (CPUs, load
 average, torch); the load matters: 8 processes on a busy 2-core machine time noise.
@@ -41,6 +44,7 @@ SUITE = (
     ("dtensor_compare.py", None),  # writes dtensor_compare_gloo8.txt itself
     ("compiled_speed.py", "compiled_speed_gloo8.txt"),
     ("variable_sizes.py", "variable_sizes.txt"),
+    ("vlm_step.py", None),  # writes vlm_step.txt itself
 )
 
 

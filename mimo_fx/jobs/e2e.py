@@ -83,8 +83,24 @@ def _packed(*args, **kwargs) -> dict:
     return train_packed(*args, **kwargs)
 
 
+def _llava(*args, **kwargs) -> dict:
+    from .llava import train_llava
+
+    return train_llava(*args, **kwargs)
+
+
 # variants with their own training loop: (rank, steps, backend, lr, say=) -> result
-EXTRA = {"pp_1f1b": _pipelined, "packed": _packed}
+EXTRA = {"pp_1f1b": _pipelined, "packed": _packed, "llava": _llava}
+DEFAULT = ["colocated", "pipelined", "variable", "pp_1f1b", "packed", "llava"]
+
+
+def unavailable(variant: str) -> str | None:
+    """Why ``variant`` cannot run here (a missing optional dependency), or None."""
+    if variant == "llava":
+        from .llava import available
+
+        return available()
+    return None
 
 
 @dataclass(frozen=True)
@@ -275,6 +291,16 @@ def check(results: list[dict]) -> list[str]:
         if res["variant"] == "pp_1f1b" and res["backend"] != "eager" and res["graphs"] > 1:
             failures.append(f"pp_1f1b: a stage compiled {res['graphs']} graphs (one serves "
                             f"every micro-batch and step)")
+        if res["variant"] == "llava" and res["backend"] != "eager":
+            want = [1] * 4 + [0] * (len(res["graphs_per_rank"]) - 4)
+            if res["graphs_per_rank"] != want:
+                failures.append(f"llava: compiled graphs per rank {res['graphs_per_rank']}, "
+                                f"not {want} (one per rank serves every image count)")
+        if res["variant"] == "llava":
+            for r in res["rows"]:
+                if not r["grad_diff"] <= TOLERANCE:
+                    failures.append(f"llava step {r['step']}: gradients differ from the "
+                                    f"one-process model by {r['grad_diff']:.2e}")
         if res["variant"] == "packed" and res["backend"] != "eager" and res["graphs"] > 1:
             failures.append(f"packed: {res['graphs']} compiled graphs (one serves every "
                             f"batch and packing)")
@@ -300,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         "\n\n")[0])
     parser.add_argument("--variant", action="append", choices=sorted(VARIANTS) + sorted(EXTRA),
                         help="layouts to train (repeatable; default: colocated, pipelined, "
-                             "variable, pp_1f1b and packed)")
+                             "variable, pp_1f1b, packed, and llava where transformers is "
+                             "installed)")
     parser.add_argument("--steps", type=int, default=3, help="SGD steps (default 3)")
     parser.add_argument("--backend", default="aot_eager",
                         help="torch.compile backend (aot_eager, inductor) or 'eager'")
@@ -311,9 +338,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps {args.steps}: need at least one step")
     from mimo_fx.testing import run_world
 
-    variants = args.variant or ["colocated", "pipelined", "variable", "pp_1f1b", "packed"]
+    variants = args.variant or [v for v in DEFAULT if unavailable(v) is None]
+    for v in variants:
+        why = unavailable(v)
+        if why:
+            parser.error(why)
     runs = [Run(v, steps=args.steps, backend=args.backend, progress=True) for v in variants]
-    print(f"training the toy MIMO model on 8 gloo processes: {', '.join(variants)}; "
+    print(f"training on 8 gloo processes: {', '.join(variants)}; "
           f"{args.steps} steps, backend {args.backend} ...", flush=True)
     start = time.perf_counter()
     results = run_world(8, train_worker, runs, timeout=args.timeout)[0]
@@ -322,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{res['variant']}: max parameter difference after {args.steps} steps "
               f"{res['param_diff']:.1e} (tolerance {TOLERANCE:.0e}); compile "
               f"{res['compile_s']:.1f} s, {res['graphs']} graph(s)")
+        if "graphs_per_rank" in res:
+            print(f"{res['variant']}: compiled graphs per rank {res['graphs_per_rank']} (the "
+                  f"first step, compile included, took {res['compile_s']:.1f} s)")
         if "image_bytes" in res["rows"][0]:
             ours = sum(r["image_bytes"] for r in res["rows"])
             seed = sum(r["seed_image_bytes"] for r in res["rows"])
