@@ -5,7 +5,9 @@ and the shared layout table) and every error. One spawned 8-rank gloo world runs
 cross-mesh scenarios: each builds its source DTensor with DTensor's own sharding, moves it
 with ``mimo_fx.redistribute_dtensor(dtensor, dst_mesh, dst_placements)`` and compares values and
 gradients with full-tensor math and with DTensor's own sharding of the expected tensors;
-the same world runs docs/examples/dtensor_mesh.py (docs/dtensor.md's example).
+the same world runs docs/examples/dtensor_mesh.py (docs/dtensor.md's example), a bridge
+whose grid is a 2-D DeviceMesh (exact, and the groups it created or took from the mesh),
+and one compiled ``redistribute_dtensor`` called with five shapes (at most 2 graphs).
 """
 
 from __future__ import annotations
@@ -473,6 +475,72 @@ def _error(rank, meshes, name) -> str | None:
     return None
 
 
+def _mesh_grid(rank: int) -> dict:
+    """A 2-D DeviceMesh (dp 4 x tp 2) as a bridge's grid: "(dp b) (tp h)" -> "(dp b) h"
+    gathers h over each tp group, which is one of the mesh's own tp groups (a row of its
+    rank tensor). Values and gradients against the oracle; the groups the bridge made."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mimo_fx.compiled import Redistributor
+
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    src, dst = Layout(mesh, "(dp b) (tp h)"), Layout(mesh, "(dp b) h")
+    x, g = _ints((8, 6), 3), _ints((8, 6), 4)
+    out: dict = {}
+    for checked in (False, True):
+        bridge = Redistributor(src, dst, {"b": 8, "h": 6}, torch.float64, checked=checked)
+        piece = shard(x, src)[rank].clone().requires_grad_()
+        y = bridge(piece)
+        (y * shard(g, dst)[rank]).sum().backward()
+        data = {ranks for tag, ranks in bridge.lease.tagged if tag != "check"}
+        out[checked] = {"values": torch.equal(y, shard(x, dst)[rank]),
+                        "grads": torch.equal(piece.grad, shard(g, src)[rank]),
+                        "data_groups": sorted(data), "created": bridge.groups_created,
+                        "reused": bridge.groups_reused}
+        bridge.destroy()
+    out["tp_groups"] = [tuple(row) for row in mesh.mesh.tolist()]
+    return out
+
+
+def _shapes_in_one_loop(rank: int, meshes: dict) -> dict:
+    """redistribute_dtensor compiled once, then called with five shapes (every rank's
+    piece at least 2 rows: Dynamo specialises sizes 0 and 1): values and gradients
+    against DTensor's own sharding, and the graphs compiled."""
+    from torch._dynamo.utils import counters
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    import mimo_fx
+    import mimo_fx.interop.dtensor as mdt
+
+    src_mesh, dst_mesh = _mesh(INIT42, meshes), _mesh(INIT24, meshes)
+    src_p, dst_p = [Shard(0), Replicate()], [Replicate(), Shard(1)]
+    torch._dynamo.reset()
+    step = torch.compile(lambda d: mimo_fx.redistribute_dtensor(d, dst_mesh, dst_p),
+                         backend="aot_eager", fullgraph=True)
+    before = counters["stats"]["unique_graphs"]
+    problems = []
+    for k, n in enumerate(SHAPES_IN_ONE_LOOP):
+        x, g = _ints((n, 8), 20 + k), _ints((n, 8), 40 + k)
+        local = distribute_tensor(x, src_mesh, src_p, src_data_rank=None).to_local()
+        local = local.clone().requires_grad_()
+        dt = DTensor.from_local(local, src_mesh, src_p, run_check=False, shape=x.shape,
+                                stride=x.stride())
+        if k == 0:
+            mdt.prepare(dt, dst_mesh, dst_p)
+        y = step(dt)
+        if not torch.equal(y.full_tensor(), x):
+            problems.append(f"{n} rows: values differ from X")
+        own = distribute_tensor(g, dst_mesh, dst_p, src_data_rank=None).to_local()
+        (y.to_local() * own).sum().backward()
+        want = distribute_tensor(g, src_mesh, src_p, src_data_rank=None).to_local()
+        if not torch.equal(local.grad, want):
+            problems.append(f"{n} rows: gradient differs from G's shard")
+    return {"problems": problems, "graphs": counters["stats"]["unique_graphs"] - before}
+
+
+SHAPES_IN_ONE_LOOP = (8, 16, 24, 12, 40)
+
+
 def _world(rank: int, world: int, names: list[str]) -> dict:
     import mimo_fx.compiled
 
@@ -494,6 +562,9 @@ def _world(rank: int, world: int, names: list[str]) -> dict:
     out["__device_mesh__"] = [(m.mesh.tolist(), m.mesh_dim_names) for m in
                               (row_major.device_mesh(), permuted.device_mesh())]
     out["__example__"] = _example().move(rank, world)
+    mimo_fx.compiled.destroy()  # (the groups below are counted from none)
+    out["__mesh_grid__"] = _mesh_grid(rank)
+    out["__shapes__"] = _shapes_in_one_loop(rank, meshes)
     mimo_fx.compiled.destroy()
     out["__live_groups__"] = mimo_fx.compiled.live_groups()
     return out
@@ -537,6 +608,27 @@ def test_errors_on_every_rank(world_results, name, match):
     import re
 
     assert all(re.search(match, m, re.S) for m in messages), messages[:2]
+
+
+@pytest.mark.slow
+def test_a_2d_device_mesh_as_grid_reuses_its_groups(world_results):
+    """The mesh's tp groups carry the bridge's data; it creates only the world's check
+    group (one per world, shared by every bridge), checked or not."""
+    for rank, r in enumerate(world_results):
+        got = r["__mesh_grid__"]
+        for checked in (False, True):
+            run = got[checked]
+            assert run["values"] and run["grads"], (rank, checked, run)
+            assert run["data_groups"] == got["tp_groups"], (rank, run)
+            assert (run["reused"], run["created"]) == (len(got["tp_groups"]), 1), (rank, run)
+
+
+@pytest.mark.slow
+def test_dtensor_shapes_change_per_call_in_at_most_two_graphs(world_results):
+    for rank, r in enumerate(world_results):
+        got = r["__shapes__"]
+        assert not got["problems"], (rank, got["problems"])
+        assert got["graphs"] <= 2, (rank, got["graphs"])
 
 
 @pytest.mark.slow
