@@ -23,6 +23,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch._C._functorch import TransformType, peek_interpreter_stack
 
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
@@ -502,8 +503,6 @@ def _in_transform() -> bool:
     """Whether the call runs inside a ``torch.func`` transform, eager or traced (there a
     source-only result is the transform's to differentiate, never kept for
     :func:`backward`: a transform's tensor must not outlive it)."""
-    from torch._C._functorch import peek_interpreter_stack
-
     # (``!=``, not ``is not``: Dynamo compares the interpreter it wraps by value)
     return peek_interpreter_stack() != None  # noqa: E711
 
@@ -513,7 +512,5 @@ def _in_grad_transform() -> bool:
     under ``torch.compile``, where the question breaks the graph)."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return False
-    from torch._C._functorch import TransformType, peek_interpreter_stack
-
     level = peek_interpreter_stack()
     return level is not None and level.key() == TransformType.Grad
