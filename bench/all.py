@@ -2,6 +2,7 @@
 
     python bench/all.py            # full runs (about 7 minutes on 2 cores)
     python bench/all.py --quick    # fewer sizes and calls, results not written
+    python bench/all.py --before /work/wt/old-380e8b4   # versions.py against that checkout
 
 Runs, one after the other so they do not disturb each other's timings:
 
@@ -20,6 +21,10 @@ Runs, one after the other so they do not disturb each other's timings:
 6. ``vlm_step.py``: a real VLM step (a tiny HF LLaVA, FSDP2 + DTensor TP, 4 gloo ranks):
    mimo_fx vs a hand-written isend/irecv bridge vs all-gathering every image row
    -> ``vlm_step.txt`` (skipped without transformers).
+7. ``versions.py``: a bridge's eager call overhead in this tree against an older checkout
+   (``--before PATH``, passed on), and what checked mode and the per-collective naming
+   cost now -> ``versions.txt``. Without ``--before`` it measures this tree alone and
+   writes nothing.
 
 Each results file starts with the command, the date and the machine (CPUs, load
 average, torch); the load matters: 8 processes on a busy 2-core machine time noise.
@@ -45,6 +50,7 @@ SUITE = (
     ("compiled_speed.py", "compiled_speed_gloo8.txt"),
     ("variable_sizes.py", "variable_sizes.txt"),
     ("vlm_step.py", None),  # writes vlm_step.txt itself
+    ("versions.py", None),  # writes versions.txt itself, given --before
 )
 
 
@@ -61,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="each script's --quick; nothing is written")
     parser.add_argument("--only", nargs="+", metavar="SCRIPT",
                         choices=[s for s, _ in SUITE], help="run only these scripts")
+    parser.add_argument("--before", metavar="PATH",
+                        help="versions.py: a checkout of the older commit to compare against")
     args = parser.parse_args(argv)
     failed = []
     for script, out in SUITE:
@@ -71,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
             cmd.append("--quick")
             if script == "plan_quality.py":
                 cmd.append("--no-save")
-        header = (f"# python bench/{script}{' --quick' if args.quick else ''}, "
+        if script == "versions.py" and args.before:
+            cmd += ["--before", args.before]
+        header = (f"# python bench/{script}{' '.join([''] + cmd[2:])}, "
                   f"{datetime.date.today().isoformat()}; machine: {_machine()}")
         print(f"\n== {script} ==\n{header}", flush=True)
         start = time.perf_counter()

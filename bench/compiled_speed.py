@@ -169,7 +169,9 @@ def _measure(rank: int, world: int, case: Case, sizes: dict[str, int], iters: in
             compiled_s = medians["compiled"][0]
             dynamo.reset()
 
-            bridge.executor.comm = NullComm()
+            null = NullComm()  # both directions' comms: the forward issues through comms
+            bridge.executor.comm = null
+            bridge.executor.comms = {"forward": null, "backward": null}
             overhead_s = _alone(rank, world, lambda: bridge(x), overhead_iters)
         values = [eager_s, bare_s, compile_s, compiled_s, overhead_s, eager_cpu, bare_cpu,
                   src_bytes, dst_bytes, len(program.ops), 0.0 if same else 1.0]

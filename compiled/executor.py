@@ -134,8 +134,27 @@ class CompiledExecutor:
         self.comms = {"forward": comm, "backward": backward_comm or comm}
         self.comm_dtype = comm_dtype
         self.name = name
+        self._named: dict[tuple[int, str], tuple[Program, list[str]]] = {}  # see _sites
         # checked mode's check of a backward call: (cotangent, program, numbers) -> ok
         self.check: Callable[..., bool] | None = None
+
+    def _sites(self, program: Program, direction: str) -> list[str]:
+        """The names of ``program``'s collectives for :mod:`.timeouts` (built once per
+        program eagerly; a trace builds them as constants)."""
+        if not self.name:
+            return [""] * len(program.ops)
+        if torch.compiler.is_compiling():
+            return [timeouts.site(self.name, direction, i, op.ranks)
+                    for i, op in enumerate(program.ops)]
+        key = (id(program), direction)
+        sites = self._named.get(key)
+        if sites is None or sites[0] is not program:
+            if len(self._named) >= 64:  # (programs made per call are not kept forever)
+                self._named.clear()
+            sites = self._named[key] = (program, [timeouts.site(self.name, direction, i,
+                                                                op.ranks)
+                                                  for i, op in enumerate(program.ops)])
+        return sites[1]
 
     def run(self, program: Program, tensors: tuple[torch.Tensor, ...], env: dict | None = None,
             inputs: tuple[torch.Tensor, ...] = (), *, direction: str = "forward"
@@ -156,9 +175,9 @@ class CompiledExecutor:
         entries: list[torch.Tensor | None] = [canon]
         wire = self.comm_dtype
         comm = self.comms[direction]
+        sites = self._sites(program, direction)
         for i, op in enumerate(program.ops):
-            where = timeouts.site(self.name, direction, i, op.ranks) if self.name else ""
-            flat = issue(comm, op, _pack(entries, op, wire, num, inputs), num, where)
+            flat = issue(comm, op, _pack(entries, op, wire, num, inputs), num, sites[i])
             if wire is not None:
                 flat = flat.to(dtype)
             entries += _unpacked(flat, op, num)

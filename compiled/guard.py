@@ -428,6 +428,7 @@ class Guard:
         self.name = f"guard{next(_NAMES)}"  # a string: Dynamo never makes it symbolic
         _GUARDS[self.name] = self
         self.calls = {"src": 0, "dst": 0}  # checked forward and backward calls so far
+        self._expects: dict = {}  # local shape -> what local() checks a tensor against
 
     # -- what a rank must pass -----------------------------------------------------------
     def expect(self, side: str, rank: int, full: dict) -> Expect:
@@ -541,7 +542,12 @@ class Guard:
 
     def local(self, x, side: str, shape, full: dict) -> None:
         """Raise on this rank if ``x`` is not its ``side`` tensor of local ``shape``."""
-        code = inspect(x, Expect(shape, self.dtype, self.device, ""))
+        expect = self._expects.get(shape)  # (one per shape: every call makes this check)
+        if expect is None:
+            if len(self._expects) >= 64:
+                self._expects.clear()
+            expect = self._expects[shape] = Expect(shape, self.dtype, self.device, "")
+        code = inspect(x, expect)
         if code != OK:
             raise MimoFxError(self.problem(code, side, full, x))
 

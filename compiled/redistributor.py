@@ -23,6 +23,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch._C._functorch import TransformType, peek_interpreter_stack
 
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
@@ -91,7 +92,7 @@ class Redistributor:
         self.union = self.sizing.union
         self.involved = self.rank in self.union
         self.device = opts.resolved_device()
-        self.name, self._slot = _identity(src, dst, opts, name)
+        self.name, self._slot = _identity(src, dst, name)
         # each direction on groups of its own, tagged by the bridge's identity; and a
         # check group over the union, shared, whether checked or not (so ranks that
         # disagree on checked= still create the same groups)
@@ -103,7 +104,8 @@ class Redistributor:
                            (), tagged + checks)
         timeouts.register(self.name, self._context().rstrip(": "))
         _BY_NAME[self.name] = self
-        if not dst.holds(self.rank) and self.involved:
+        self._source_only = self.involved and not dst.holds(self.rank)
+        if self._source_only:
             SOURCE_ONLY.setdefault(self.name, None)
         self.executor = CompiledExecutor(self.lease.comm(fwd), comm_dtype,
                                          self.lease.comm(bwd), self.name)
@@ -248,7 +250,7 @@ class Redistributor:
             # input an op's output, whose requirement Dynamo does see.
             x = x.view(x.shape)
         (y,) = apply(self.executor, fwd, bwd, (x,), env, self.sizing.variables, index)
-        if not self.dst.holds(self.rank) and y.requires_grad and not _in_transform():
+        if self._source_only and y.requires_grad and not _in_transform():
             # a source-only rank: its backward runs in mimo_fx.backward() (a store under
             # a key made when the bridge was built: a compiled step guards on no state)
             SOURCE_ONLY[self.name] = y
@@ -426,12 +428,12 @@ except AttributeError:  # (this module may be executed twice, e.g. by a doctest 
     register_ordered(_EXCHANGE)
 
 
-_LIVE: dict[tuple, set[int]] = {}  # per (layouts, options) key: the slots live bridges hold
+_LIVE: dict[str, set[int]] = {}  # per layouts' description: the slots live bridges hold
 
 
-def _identity(src, dst, opts: Options, name: str | None) -> tuple[str, tuple | None]:
+def _identity(src, dst, name: str | None) -> tuple[str, tuple | None]:
     """A bridge's identity: ``name``, else its layouts and its slot among the live
-    bridges of the same layouts and options (the lowest free one: ranks that build and
+    bridges described alike (the lowest free one: ranks that build and
     destroy bridges in one order give every bridge the same slot), and the slot's key
     (None for a name)."""
     if name is not None:
@@ -439,11 +441,13 @@ def _identity(src, dst, opts: Options, name: str | None) -> tuple[str, tuple | N
             raise MimoFxError(f"name={name!r} must be a non-empty string naming the bridge "
                               f"(the same on every rank)")
         return name, None
-    key = (key_of(src), key_of(dst), opts)
+    # keyed by the name's own text: two live bridges never share a name, whatever
+    # their options or grids (the name tags their groups and keys their results)
+    key = f"{src.describe()} -> {dst.describe()}"
     taken = _LIVE.setdefault(key, set())
     k = next(i for i in range(len(taken) + 1) if i not in taken)
     taken.add(k)
-    return f"{src.describe()} -> {dst.describe()} #{k}", (key, k)
+    return f"{key} #{k}", (key, k)
 
 
 def _not_a_layout(where: str, name: str, value) -> str:
@@ -499,8 +503,6 @@ def _in_transform() -> bool:
     """Whether the call runs inside a ``torch.func`` transform, eager or traced (there a
     source-only result is the transform's to differentiate, never kept for
     :func:`backward`: a transform's tensor must not outlive it)."""
-    from torch._C._functorch import peek_interpreter_stack
-
     # (``!=``, not ``is not``: Dynamo compares the interpreter it wraps by value)
     return peek_interpreter_stack() != None  # noqa: E711
 
@@ -510,7 +512,5 @@ def _in_grad_transform() -> bool:
     under ``torch.compile``, where the question breaks the graph)."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return False
-    from torch._C._functorch import TransformType, peek_interpreter_stack
-
     level = peek_interpreter_stack()
     return level is not None and level.key() == TransformType.Grad
