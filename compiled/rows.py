@@ -37,7 +37,7 @@ from mimo_fx.rows import (
 
 from . import lowering
 from .guard import runtime_check
-from .sizing import CALL_OPTIONS
+from .sizing import CallSizes
 
 __all__ = ["RowSizing", "key_of"]
 
@@ -50,7 +50,7 @@ def key_of(layout):
     return layout.structure if is_row_layout(layout) else layout
 
 
-class RowSizing:
+class RowSizing(CallSizes):
     """Sizes, routes and programs of one row bridge for ``rank`` (see the module
     docstring). ``src``/``dst`` are the layouts it is built with (a call may bring
     other batches of the same structure)."""
@@ -82,21 +82,7 @@ class RowSizing:
         self.name = f"rows{next(_NAMES)}"  # a string: Dynamo never makes it symbolic
         _ROWS[self.name] = self
 
-    # -- a call's sizes ------------------------------------------------------------------
-    def given(self, sizes, dim_sizes: dict) -> dict:
-        if sizes is None and not dim_sizes:
-            return {}
-        given = size_arguments(self.src, self.dst, sizes, dim_sizes, "bridge call",
-                               CALL_OPTIONS)
-        for d, n in given.items():
-            if d in self.fixed and n != self.fixed[d] and not isinstance(n, torch.SymInt):
-                raise MimoFxError(self.context + f"{d}={n!r} but the bridge was built with "
-                                  f"{d}={self.fixed[d]!r}; build it without {d!r} to vary it")
-        return given
-
-    def missing(self, given: dict) -> tuple[str, ...]:
-        return tuple(d for d in self.free if d not in given)
-
+    # -- a call's sizes (given, missing: CallSizes) ----------------------------------------
     def size_row(self, x, device) -> torch.Tensor:
         from .guard import int_tensor
         from .learn import Row

@@ -43,7 +43,35 @@ def _size_key(sizes: dict) -> tuple:
     return tuple(sorted(sizes.items()))
 
 
-class Sizing:
+class CallSizes:
+    """What a call's sizes are, for any sizing (box or row) with ``src``, ``dst``,
+    ``fixed`` (sizes built in), ``free`` (dims a call gives or learns) and ``context``."""
+
+    src: Any
+    dst: Any
+    fixed: dict
+    free: tuple
+    context: str
+
+    def given(self, sizes, dim_sizes: dict) -> dict:
+        """The sizes a call gives, checked against the fixed ones."""
+        if sizes is None and not dim_sizes:
+            return {}
+        given = size_arguments(self.src, self.dst, sizes, dim_sizes, "bridge call",
+                               CALL_OPTIONS)
+        for d, n in given.items():
+            if d in self.fixed and not _same(n, self.fixed[d]):
+                raise MimoFxError(
+                    self.context + f"{d}={n!r} but the bridge was built with {d}="
+                    f"{self.fixed[d]!r}; build it without {d!r} to vary it")
+        return given
+
+    def missing(self, given: dict) -> tuple[str, ...]:
+        """The free dims a call with ``given`` sizes must learn."""
+        return tuple(d for d in self.free if d not in given)
+
+
+class Sizing(CallSizes):
     """Sizes and programs of one ``src -> dst`` bridge for ``rank`` (see the module
     docstring). ``context`` prefixes its errors (the bridge's description)."""
 
@@ -120,24 +148,7 @@ class Sizing:
         """The template's variables (the env's keys, in order); () without one."""
         return self.template.variables if self.template is not None else ()
 
-    # -- a call's sizes ------------------------------------------------------------------
-    def given(self, sizes, dim_sizes: dict) -> dict:
-        """The sizes a call gives, checked against the fixed ones."""
-        if sizes is None and not dim_sizes:
-            return {}
-        given = size_arguments(self.src, self.dst, sizes, dim_sizes, "bridge call",
-                               CALL_OPTIONS)
-        for d, n in given.items():
-            if d in self.fixed and not _same(n, self.fixed[d]):
-                raise MimoFxError(
-                    self.context + f"{d}={n!r} but the bridge was built with {d}="
-                    f"{self.fixed[d]!r}; build it without {d!r} to vary it")
-        return given
-
-    def missing(self, given: dict) -> tuple[str, ...]:
-        """The free dims a call with ``given`` sizes must learn."""
-        return tuple(d for d in self.free if d not in given)
-
+    # -- a call's sizes (given, missing: CallSizes) ----------------------------------------
     def size_row(self, x, device) -> torch.Tensor:
         """This rank's row of the size exchange (see :mod:`.learn`)."""
         from .guard import int_tensor
