@@ -68,11 +68,12 @@ class Redistributor:
             rank's mistake raises :class:`MimoFxError` on every rank instead of hanging;
             a rank waits for the others ``MIMO_FX_TIMEOUT`` seconds (300). Unchecked calls
             still validate locally: the offending rank raises before any collective.
-        name: the bridge's identity, the same on every rank (default: its layouts and
-            its place among the bridges of the same layouts and options this rank built,
-            ``#0``, ``#1``, ...: ranks build bridges in one order). Two bridges of the
-            same layouts never share a process group (their calls cannot pair), and a
-            checked call of one never passes for the other's.
+        name: the bridge's identity, the same on every rank and no other live
+            bridge's (default: its layouts and its place among the live bridges of
+            layouts described alike this rank built, ``#0``, ``#1``, ...: ranks build
+            bridges in one order). Two bridges of the same layouts never share a process
+            group (their calls cannot pair), and a checked call of one never passes for
+            the other's.
     """
 
     def __init__(self, src: Layout, dst: Layout, sizes: dict | None = None,
@@ -91,7 +92,7 @@ class Redistributor:
         self.union = self.sizing.union
         self.involved = self.rank in self.union
         self.device = opts.resolved_device()
-        self.name, self._slot = _identity(src, dst, opts, name)
+        self.name, self._slot = _identity(src, dst, name)
         # each direction on groups of its own, tagged by the bridge's identity; and a
         # check group over the union, shared, whether checked or not (so ranks that
         # disagree on checked= still create the same groups)
@@ -426,24 +427,34 @@ except AttributeError:  # (this module may be executed twice, e.g. by a doctest 
     register_ordered(_EXCHANGE)
 
 
-_LIVE: dict[tuple, set[int]] = {}  # per (layouts, options) key: the slots live bridges hold
+_LIVE: dict[str, set[int]] = {}  # per layouts' description: the slots live bridges hold
 
 
-def _identity(src, dst, opts: Options, name: str | None) -> tuple[str, tuple | None]:
-    """A bridge's identity: ``name``, else its layouts and its slot among the live
-    bridges of the same layouts and options (the lowest free one: ranks that build and
-    destroy bridges in one order give every bridge the same slot), and the slot's key
-    (None for a name)."""
+def _identity(src, dst, name: str | None) -> tuple[str, tuple | None]:
+    """A bridge's identity: ``name``, else its layouts' description and its slot among
+    the live bridges described alike (the lowest free one: ranks that build and destroy
+    bridges in one order give every bridge the same slot), and the slot's key (None for
+    a name). Two live bridges never have one identity: their groups, size exchanges and
+    source-only backwards would be taken for each other's (bridges of other grids or
+    options may be described alike)."""
     if name is not None:
         if not isinstance(name, str) or not name:
             raise MimoFxError(f"name={name!r} must be a non-empty string naming the bridge "
                               f"(the same on every rank)")
+        if _live(name):
+            raise MimoFxError(f"name={name!r} is the name of a live bridge; give every "
+                              f"bridge a name of its own (or destroy that one first)")
         return name, None
-    key = (key_of(src), key_of(dst), opts)
-    taken = _LIVE.setdefault(key, set())
+    base = f"{src.describe()} -> {dst.describe()}"
+    taken = _LIVE.setdefault(base, set())
     k = next(i for i in range(len(taken) + 1) if i not in taken)
     taken.add(k)
-    return f"{src.describe()} -> {dst.describe()} #{k}", (key, k)
+    return f"{base} #{k}", (base, k)
+
+
+def _live(name: str) -> bool:
+    bridge = _BY_NAME.get(name)
+    return bridge is not None and bridge.lease.live
 
 
 def _not_a_layout(where: str, name: str, value) -> str:
