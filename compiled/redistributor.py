@@ -33,7 +33,7 @@ from mimo_fx.vjp import apply
 from . import timeouts
 from .executor import CompiledExecutor, Numbers
 from .groups import CHECK
-from .guard import HEADER_LEN, Guard, fingerprint
+from .guard import HEADER_LEN, Guard, fingerprint, raise_now
 from .lease import Lease, require_world
 from .options import Options, require_compiler
 from .rows import RowSizing, key_of
@@ -126,6 +126,7 @@ class Redistributor:
             # a row backward's per-row sums: zero tensors of run-time length
             require_compiler(scalar_outputs=True, unbacked_tensors=self.rows)
         _log_plans(self)
+        self._traced_handle = _traced_handle(self)
 
     # -- the parts' answers, under the names callers use ---------------------------------
     @property
@@ -183,17 +184,30 @@ class Redistributor:
         are learned from the ranks holding src (every rank gives the same set). A row
         bridge (a packed layout on a side) takes this call's batch as ``src=`` /
         ``dst=``: layouts of the bridge's structure (default: the bridge's own)."""
-        if not torch.compiler.is_compiling():
-            self.lease.check()
+        if torch.compiler.is_compiling():
+            ref = _TRACED.get(self.name)
+            handle = None if ref is None else ref()
+            if handle is None or handle is not self._traced_handle:  # (destroyed)
+                raise_now(f"{self.lease.what} was destroyed; build a new one")
+            assert handle is not None
+            return handle._traced(x, sizes, dim_sizes, src, dst)
+        self.lease.check()
         if not self.involved:
             return None
         layouts = self._layouts(src, dst)
         # a labelled span in profiler traces; entering one costs ~6 µs, so only when a
         # profiler is recording
-        if torch.compiler.is_compiling() or not torch._C._autograd._profiler_enabled():
+        if not torch._C._autograd._profiler_enabled():
             return self._call(x, sizes, dim_sizes, layouts)
         with torch.profiler.record_function(self._label):
             return self._call(x, sizes, dim_sizes, layouts)
+
+    def _traced(self, x, sizes, dim_sizes: dict, src, dst) -> torch.Tensor | None:
+        """The call under ``torch.compile``, on this bridge's handle in the registry
+        (see :func:`_traced_handle`)."""
+        if not self.involved:
+            return None
+        return self._call(x, sizes, dim_sizes, self._layouts(src, dst))
 
     def _layouts(self, src, dst) -> dict:
         """A call's batch: the layouts it names, of this bridge's structure."""
@@ -326,6 +340,9 @@ class Redistributor:
             self.lease.release()
             self.sizing.forget()
             SOURCE_ONLY.pop(self.name, None)
+            ref = _TRACED.get(self.name)
+            if ref is not None and ref() is self._traced_handle:
+                del _TRACED[self.name]
             if self._slot is not None:
                 _LIVE[self._slot[0]].discard(self._slot[1])
 
@@ -367,6 +384,25 @@ def _awaiting_backward() -> list[torch.Tensor]:
 
 # -- the size exchange as one ordered op (a compiled call's) ---------------------------------
 _BY_NAME: weakref.WeakValueDictionary[str, Redistributor] = weakref.WeakValueDictionary()
+
+# -- what a compiled call traces ---------------------------------------------------------
+# Under torch.compile a call reaches its bridge's state by the bridge's name through this
+# registry, a global, and not through the variable the caller holds it in. Dynamo
+# specialises the ints it reads from globals, while an int read through a local (a
+# step's argument or closure) that changed since the last compile of the same code -- a
+# step compiled for one bridge, then for another -- becomes symbolic, and planning code
+# cannot take symbolic ints (a grid's ranks, a fingerprint). The registry holds a second
+# handle on the bridge, sharing its state (Dynamo reaches an object it has seen through
+# the first path it saw it by), weakly: a bridge nobody holds can still be collected.
+_TRACED: dict[str, weakref.ref[Redistributor]] = {}
+
+
+def _traced_handle(bridge: Redistributor) -> Redistributor:
+    """The bridge's second handle (the bridge keeps it), registered by its name."""
+    handle = object.__new__(type(bridge))
+    handle.__dict__ = bridge.__dict__  # one state, two handles
+    _TRACED[bridge.name] = weakref.ref(handle)
+    return handle
 
 
 def _flat_sizes(sizes: dict) -> tuple[list, str]:
