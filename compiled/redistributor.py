@@ -34,7 +34,7 @@ from mimo_fx.vjp import apply
 from . import timeouts
 from .executor import CompiledExecutor, Numbers
 from .groups import CHECK
-from .guard import HEADER_LEN, Guard, fingerprint
+from .guard import HEADER_LEN, Guard, fingerprint, raise_now
 from .lease import Lease, require_world
 from .options import Options, require_compiler
 from .rows import RowSizing, key_of
@@ -69,11 +69,12 @@ class Redistributor:
             rank's mistake raises :class:`MimoFxError` on every rank instead of hanging;
             a rank waits for the others ``MIMO_FX_TIMEOUT`` seconds (300). Unchecked calls
             still validate locally: the offending rank raises before any collective.
-        name: the bridge's identity, the same on every rank (default: its layouts and
-            its place among the bridges of the same layouts and options this rank built,
-            ``#0``, ``#1``, ...: ranks build bridges in one order). Two bridges of the
-            same layouts never share a process group (their calls cannot pair), and a
-            checked call of one never passes for the other's.
+        name: the bridge's identity, the same on every rank and no other live
+            bridge's (default: its layouts and its place among the live bridges of
+            layouts described alike this rank built, ``#0``, ``#1``, ...: ranks build
+            bridges in one order). Two bridges of the same layouts never share a process
+            group (their calls cannot pair), and a checked call of one never passes for
+            the other's.
     """
 
     def __init__(self, src: Layout, dst: Layout, sizes: dict | None = None,
@@ -102,7 +103,8 @@ class Redistributor:
         checks = [(CHECK, self.union)] if len(self.union) > 1 else []
         self.lease = Lease(f"this bridge {src.describe()!r} -> {dst.describe()!r}",
                            (), tagged + checks)
-        timeouts.register(self.name, self._context().rstrip(": "))
+        timeouts.register(self.name, self._context().rstrip(": "),
+                          self.involved and not dst.holds(self.rank))
         _BY_NAME[self.name] = self
         self._source_only = self.involved and not dst.holds(self.rank)
         if self._source_only:
@@ -127,6 +129,7 @@ class Redistributor:
             # a row backward's per-row sums: zero tensors of run-time length
             require_compiler(scalar_outputs=True, unbacked_tensors=self.rows)
         _log_plans(self)
+        self._traced_handle = _traced_handle(self)
 
     # -- the parts' answers, under the names callers use ---------------------------------
     @property
@@ -184,17 +187,30 @@ class Redistributor:
         are learned from the ranks holding src (every rank gives the same set). A row
         bridge (a packed layout on a side) takes this call's batch as ``src=`` /
         ``dst=``: layouts of the bridge's structure (default: the bridge's own)."""
-        if not torch.compiler.is_compiling():
-            self.lease.check()
+        if torch.compiler.is_compiling():
+            ref = _TRACED.get(self.name)
+            handle = None if ref is None else ref()
+            if handle is None or handle is not self._traced_handle:  # (destroyed)
+                raise_now(f"{self.lease.what} was destroyed; build a new one")
+            assert handle is not None
+            return handle._traced(x, sizes, dim_sizes, src, dst)
+        self.lease.check()
         if not self.involved:
             return None
         layouts = self._layouts(src, dst)
         # a labelled span in profiler traces; entering one costs ~6 µs, so only when a
         # profiler is recording
-        if torch.compiler.is_compiling() or not torch._C._autograd._profiler_enabled():
+        if not torch._C._autograd._profiler_enabled():
             return self._call(x, sizes, dim_sizes, layouts)
         with torch.profiler.record_function(self._label):
             return self._call(x, sizes, dim_sizes, layouts)
+
+    def _traced(self, x, sizes, dim_sizes: dict, src, dst) -> torch.Tensor | None:
+        """The call under ``torch.compile``, on this bridge's handle in the registry
+        (see :func:`_traced_handle`)."""
+        if not self.involved:
+            return None
+        return self._call(x, sizes, dim_sizes, self._layouts(src, dst))
 
     def _layouts(self, src, dst) -> dict:
         """A call's batch: the layouts it names, of this bridge's structure."""
@@ -327,6 +343,9 @@ class Redistributor:
             self.lease.release()
             self.sizing.forget()
             SOURCE_ONLY.pop(self.name, None)
+            ref = _TRACED.get(self.name)
+            if ref is not None and ref() is self._traced_handle:
+                del _TRACED[self.name]
             if self._slot is not None:
                 _LIVE[self._slot[0]].discard(self._slot[1])
 
@@ -368,6 +387,25 @@ def _awaiting_backward() -> list[torch.Tensor]:
 
 # -- the size exchange as one ordered op (a compiled call's) ---------------------------------
 _BY_NAME: weakref.WeakValueDictionary[str, Redistributor] = weakref.WeakValueDictionary()
+
+# -- what a compiled call traces ---------------------------------------------------------
+# Under torch.compile a call reaches its bridge's state by the bridge's name through this
+# registry, a global, and not through the variable the caller holds it in. Dynamo
+# specialises the ints it reads from globals, while an int read through a local (a
+# step's argument or closure) that changed since the last compile of the same code -- a
+# step compiled for one bridge, then for another -- becomes symbolic, and planning code
+# cannot take symbolic ints (a grid's ranks, a fingerprint). The registry holds a second
+# handle on the bridge, sharing its state (Dynamo reaches an object it has seen through
+# the first path it saw it by), weakly: a bridge nobody holds can still be collected.
+_TRACED: dict[str, weakref.ref[Redistributor]] = {}
+
+
+def _traced_handle(bridge: Redistributor) -> Redistributor:
+    """The bridge's second handle (the bridge keeps it), registered by its name."""
+    handle = object.__new__(type(bridge))
+    handle.__dict__ = bridge.__dict__  # one state, two handles
+    _TRACED[bridge.name] = weakref.ref(handle)
+    return handle
 
 
 def _flat_sizes(sizes: dict) -> tuple[list, str]:
@@ -432,29 +470,39 @@ _LIVE: dict[str, set[int]] = {}  # per layouts' description: the slots live brid
 
 
 def _identity(src, dst, name: str | None) -> tuple[str, tuple | None]:
-    """A bridge's identity: ``name``, else its layouts and its slot among the live
-    bridges described alike (the lowest free one: ranks that build and
-    destroy bridges in one order give every bridge the same slot), and the slot's key
-    (None for a name)."""
+    """A bridge's identity: ``name``, else its layouts' description and its slot among
+    the live bridges described alike (the lowest free one: ranks that build and destroy
+    bridges in one order give every bridge the same slot), and the slot's key (None for
+    a name). Two live bridges never have one identity: their groups, size exchanges and
+    source-only backwards would be taken for each other's (bridges of other grids or
+    options may be described alike)."""
     if name is not None:
         if not isinstance(name, str) or not name:
             raise MimoFxError(f"name={name!r} must be a non-empty string naming the bridge "
                               f"(the same on every rank)")
+        if _live(name):
+            raise MimoFxError(f"name={name!r} is the name of a live bridge; give every "
+                              f"bridge a name of its own (or destroy that one first)")
         return name, None
-    # keyed by the name's own text: two live bridges never share a name, whatever
-    # their options or grids (the name tags their groups and keys their results)
-    key = f"{src.describe()} -> {dst.describe()}"
-    taken = _LIVE.setdefault(key, set())
+    base = f"{src.describe()} -> {dst.describe()}"
+    taken = _LIVE.setdefault(base, set())
     k = next(i for i in range(len(taken) + 1) if i not in taken)
     taken.add(k)
-    return f"{key} #{k}", (key, k)
+    return f"{base} #{k}", (base, k)
+
+
+def _live(name: str) -> bool:
+    bridge = _BY_NAME.get(name)
+    return bridge is not None and bridge.lease.live
 
 
 def _not_a_layout(where: str, name: str, value) -> str:
     """The message for something that is not a layout where one belongs."""
+    example = (f"Layout(Grid(...), {value!r})" if isinstance(value, str)
+               else 'Layout(Grid(tp=2, dp=4), "(dp b) s h")')
     return (f"{where}: {name} must be a layout, got {type(value).__name__} {value!r}; build "
-            f"one with Layout(Grid(tp=2, dp=4), \"(dp b) s h\") (or PackedLayout for a "
-            f"packed batch)")
+            f"one with {example} (a grid and a pattern), or a PackedLayout for a packed "
+            f"batch")
 
 
 def _log_plans(bridge: Redistributor) -> None:

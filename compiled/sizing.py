@@ -31,7 +31,7 @@ from mimo_fx.sizes import Template, canonical_sizes
 from mimo_fx.symbolic import Expr
 
 from . import lowering
-from .guard import runtime_check
+from .guard import TracedError, raise_now, runtime_check
 
 __all__ = ["Sizing", "CACHED_SIZES", "CALL_OPTIONS"]
 
@@ -61,7 +61,7 @@ class CallSizes:
                                CALL_OPTIONS)
         for d, n in given.items():
             if d in self.fixed and not _same(n, self.fixed[d]):
-                raise MimoFxError(
+                raise_now(
                     self.context + f"{d}={n!r} but the bridge was built with {d}="
                     f"{self.fixed[d]!r}; build it without {d!r} to vary it")
         return given
@@ -183,7 +183,7 @@ class Sizing(CallSizes):
                 values = self._from_local(x, values, t, full)
             return self.fwd_program, self.bwd_program, values
         if learned:
-            raise MimoFxError(
+            raise_now(
                 self.context + f"sizes learned under torch.compile must fit the bridge's "
                 f"template ({t.describe() if t else 'none: its plan depends on the sizes'}); "
                 f"give the sizes in the call, or run these sizes eagerly")
@@ -240,7 +240,7 @@ class Sizing(CallSizes):
                 continue
             var = mono[0]
             if have % coef != 0:  # known while tracing (Dynamo guards on it if symbolic)
-                raise MimoFxError(message)
+                raise_now(message)
             if var[0] == "u":  # have == coef * n / granules, without a quotient
                 learned = full[var[1]]
                 _check(have * t.granules[var[1]] == coef * learned, message)
@@ -291,8 +291,13 @@ _SIZINGS: dict[int, Sizing] = {}
 @torch.compiler.assume_constant_result
 def _programs_for(sizing: int, key: tuple) -> tuple[Any, Any]:
     """A bridge's plain programs for sizes its template does not serve: computed while
-    tracing (a constant of the graph, which Dynamo then guards on these sizes)."""
-    return _SIZINGS[sizing].programs_at(key)
+    tracing (a constant of the graph, which Dynamo then guards on these sizes). Sizes
+    the layouts refuse raise the eager call's error (Dynamo would wrap a plain one as
+    an internal error)."""
+    try:
+        return _SIZINGS[sizing].programs_at(key)
+    except MimoFxError as err:
+        raise TracedError(str(err)) from None
 
 
 def _check(ok, message: str) -> None:

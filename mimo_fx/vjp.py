@@ -90,5 +90,12 @@ def apply(executor: Executor, fwd, bwd, tensors, values: tuple | None = None,
     ``values`` of their ``variables``. ``aux``: tensors both directions read (e.g. a
     route's indices, traced as graph inputs rather than baked-in constants), never
     differentiated."""
-    return _Redistribute.apply((executor, fwd, bwd, variables, values, len(aux)), *tensors,
-                               *aux)
+    job = (executor, fwd, bwd, variables, values, len(aux))
+    if torch.compiler.is_compiling() and not (
+            torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        # nothing to differentiate: Dynamo would trace the forward alone, but it passes it
+        # an autograd context for ``job`` when a call has more tensors than forward has
+        # named parameters (a row bridge's aux: a compiled no-grad call failed with
+        # "'Function' object is not iterable"); the forward is called here instead
+        return _Redistribute.forward(job, *tensors, *aux)
+    return _Redistribute.apply(job, *tensors, *aux)
