@@ -563,9 +563,10 @@ class Guard:
         except (RuntimeError, MimoFxError) as err:  # a timeout or a peer gone
             raise MimoFxError(
                 self.context + f"rank {self.rank} waited in vain for every rank's check "
-                f"header ({cause(err)}). A rank called this bridge with checked=False, "
-                f"called another bridge or collective, or left; every rank must make the "
-                f"same checked call ({wait_time()})") from None
+                f"header ({cause(err)}). A rank skipped a call of this bridge (calls pair "
+                f"in order: its next call met this rank's previous one), called it with "
+                f"checked=False, called another bridge or collective, or left; every rank "
+                f"must make the same checked call ({wait_time()})") from None
 
     def verdict(self, rows: torch.Tensor, side: str, print_: int, full: dict | None,
                 ranks=None, expects: bool = True, shape=None) -> None:

@@ -102,7 +102,8 @@ class Redistributor:
         checks = [(CHECK, self.union)] if len(self.union) > 1 else []
         self.lease = Lease(f"this bridge {src.describe()!r} -> {dst.describe()!r}",
                            (), tagged + checks)
-        timeouts.register(self.name, self._context().rstrip(": "))
+        timeouts.register(self.name, self._context().rstrip(": "),
+                          self.involved and not dst.holds(self.rank))
         _BY_NAME[self.name] = self
         if not dst.holds(self.rank) and self.involved:
             SOURCE_ONLY.setdefault(self.name, None)

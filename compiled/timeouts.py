@@ -53,12 +53,15 @@ def cause(err: BaseException) -> str:
 
 # -- where a collective was issued: a bridge, a direction, an op of its program ------------
 _BRIDGES: dict[str, str] = {}   # a bridge's name -> what errors call it
+_SOURCE_ONLY: set[str] = set()  # bridges of which this rank holds src but no dst piece
 _RAN: Counter[str] = Counter()  # a site -> how many times its collective completed
 
 
-def register(name: str, description: str) -> None:
-    """Name a bridge for the errors of the collectives it issues."""
+def register(name: str, description: str, source_only: bool = False) -> None:
+    """Name a bridge for the errors of the collectives it issues; ``source_only``: this
+    rank holds no dst piece of it (its backward runs in ``mimo_fx.backward()``)."""
     _BRIDGES[name] = description
+    (_SOURCE_ONLY.add if source_only else _SOURCE_ONLY.discard)(name)
 
 
 def site(name: str, direction: str, index: int, ranks: tuple[int, ...]) -> str:
@@ -91,9 +94,14 @@ def failed(site_: str, kind, err: BaseException) -> MimoFxError:
            "a rank skipped this call or the backward of an earlier one, or called another "
            "bridge first, or left; or requires_grad differs by rank (a rank whose input "
            "does not require grad runs no backward)")
+    forward, backward = calls(name, "forward"), calls(name, "backward")
+    if name in _SOURCE_ONLY and forward > backward:  # (its own state: peer gone or not)
+        why += (f"; this rank holds no dst piece and ran {forward} forward but {backward} "
+                f"backward calls: its backward runs in mimo_fx.backward(), which it may "
+                f"have skipped")
     return MimoFxError(
         f"{_BRIDGES.get(name, name)}: the {direction} of call {n} failed in {kind} over "
         f"ranks ({ranks}) ({cause(err)}). Likely cause: {why}. This rank has completed "
-        f"{calls(name, 'forward')} forward and {calls(name, 'backward')} backward calls of "
+        f"{forward} forward and {backward} backward calls of "
         f"this bridge; every rank of both grids runs every call and its backward "
         f"({wait_time()})")
