@@ -88,8 +88,9 @@ def _check_comm_dtype(dtype: torch.dtype, wire: torch.dtype | None) -> None:
         return  # a float for float data: lower precision is what it is asked for
     if _holds(wire, dtype):
         return  # every value of dtype exactly (int32 data moved as int64, say)
+    wider = "complex" if dtype.is_complex else "integer"
     fix = ("a lower-precision float (torch.bfloat16 or torch.float16)"
-           if dtype in _FLOATS else f"None (move {dtype} as it is), or a wider integer type")
+           if dtype in _FLOATS else f"None (move {dtype} as it is), or a wider {wider} type")
     raise MimoFxError(f"comm_dtype={wire} would change {dtype} data (it cannot hold every "
                       f"{dtype} value); use {fix}")
 

@@ -496,9 +496,11 @@ def _live(name: str) -> bool:
 
 def _not_a_layout(where: str, name: str, value) -> str:
     """The message for something that is not a layout where one belongs."""
+    example = (f"Layout(Grid(...), {value!r})" if isinstance(value, str)
+               else 'Layout(Grid(tp=2, dp=4), "(dp b) s h")')
     return (f"{where}: {name} must be a layout, got {type(value).__name__} {value!r}; build "
-            f"one with Layout(Grid(tp=2, dp=4), \"(dp b) s h\") (or PackedLayout for a "
-            f"packed batch)")
+            f"one with {example} (a grid and a pattern), or a PackedLayout for a packed "
+            f"batch")
 
 
 def _log_plans(bridge: Redistributor) -> None:
