@@ -62,6 +62,8 @@ def register(name: str, description: str, source_only: bool = False) -> None:
     rank holds no dst piece of it (its backward runs in ``mimo_fx.backward()``)."""
     _BRIDGES[name] = description
     (_SOURCE_ONLY.add if source_only else _SOURCE_ONLY.discard)(name)
+    for site_ in [s for s in _RAN if s.startswith(f"{name}|")]:  # a destroyed namesake's
+        del _RAN[site_]
 
 
 def site(name: str, direction: str, index: int, ranks: tuple[int, ...]) -> str:
