@@ -206,7 +206,8 @@ def test_layout_errors(grid, pattern, kwargs, match):
 
 
 def test_non_grid_and_non_string():
-    with pytest.raises(MimoFxError, match=r"needs a Grid \(or a DeviceMesh with named dims\) as first argument, got 'tp'"):
+    with pytest.raises(MimoFxError, match=r"needs a Grid \(or a DeviceMesh with named dims\) "
+                                          r"as first argument, got 'tp'"):
         Layout("tp", "b")  # type: ignore[arg-type]
     with pytest.raises(MimoFxError, match=r"pattern must be a string, got \['b'\]"):
         Layout(G, ["b"])  # type: ignore[arg-type]
