@@ -62,6 +62,8 @@ def register(name: str, description: str, source_only: bool = False) -> None:
     rank holds no dst piece of it (its backward runs in ``mimo_fx.backward()``)."""
     _BRIDGES[name] = description
     (_SOURCE_ONLY.add if source_only else _SOURCE_ONLY.discard)(name)
+    for site_ in [s for s in _RAN if s.startswith(f"{name}|")]:  # a destroyed namesake's
+        del _RAN[site_]
 
 
 def site(name: str, direction: str, index: int, ranks: tuple[int, ...]) -> str:
@@ -95,7 +97,7 @@ def failed(site_: str, kind, err: BaseException) -> MimoFxError:
            "bridge first, or left; or requires_grad differs by rank (a rank whose input "
            "does not require grad runs no backward)")
     forward, backward = calls(name, "forward"), calls(name, "backward")
-    if name in _SOURCE_ONLY and forward > backward and not peer_gone:
+    if name in _SOURCE_ONLY and forward > backward:  # (its own state: peer gone or not)
         why += (f"; this rank holds no dst piece and ran {forward} forward but {backward} "
                 f"backward calls: its backward runs in mimo_fx.backward(), which it may "
                 f"have skipped")
