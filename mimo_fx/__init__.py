@@ -19,7 +19,8 @@ except PackageNotFoundError:  # run from a source tree that is not installed
     __version__ = "0+unknown"
 
 __all__ = ["__version__", "Collective", "Grid", "Layout", "MimoFxError", "Plan", "RankPlan",
-           "backward_plan", "plan", "plan_for_rank", "redistribute"]
+           "backward_plan", "plan", "plan_for_rank", "redistribute",
+           "redistribute_dtensor", "backward"]  # the last two imported on first use
 
 _SUBPACKAGES = ("compiled", "reference", "mimo", "interop", "testing")
 
@@ -36,3 +37,8 @@ def __getattr__(name: str):
     if name == "backward":  # a step's backward, source-only bridge calls included
         return importlib.import_module(f"{__name__}.compiled").backward
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The names above, the lazily imported ones included (for ``dir`` and completion)."""
+    return sorted(set(globals()) | set(__all__) | set(_SUBPACKAGES))
