@@ -1,8 +1,8 @@
 """Compiled-backend features on gloo: torch.compile training steps (aot_eager in a
 4-rank world, inductor in a 2-rank world) with zero graph breaks and results equal to
 eager and to full-tensor math, comm_dtype, the checked mode, ranks off the grids, the
-error for unprepared groups under torch.compile, and no leaked groups after 1,000
-build/destroy cycles.
+error for unprepared groups under torch.compile, the eager errors for bad inputs under
+inductor, and no leaked groups after 1,000 build/destroy cycles.
 """
 
 from __future__ import annotations
@@ -78,8 +78,34 @@ def _check_step(rank: int, backend: str, src: Layout = SRC, dst: Layout = DST) -
     (cgx, cgw), closs = compiled(x_local, w)
     same = all(torch.allclose(a, b, atol=1e-6) for a, b in ((cgx, gx), (cgw, gw), (closs, loss)))
     out[f"{backend}_compiled_equals_eager"] = None if same else "compiled differs from eager"
+    if backend == "inductor":
+        out["inductor_bad_inputs"] = _bad_inputs(step, compiled, x_local, w)
     bridge.destroy()
     return out
+
+
+def _bad_inputs(step, compiled, x_local, w) -> str | None:
+    """The step compiled at the right shape, called with inputs the bridge was not
+    prepared for (every rank alike): each raises, while tracing and before any
+    collective, the MimoFxError the eager call raises, its text first."""
+    bad = {"dtype": (x_local.double(), w.double()), "ndim": (x_local[None], w),
+           "long": (torch.cat([x_local, x_local]), w)}
+    problems = []
+    for name, args in bad.items():
+        try:
+            step(*args)
+            problems.append(f"{name}: the eager call did not raise")
+            continue
+        except MimoFxError as err:
+            eager = str(err)
+        try:
+            compiled(*args)
+            problems.append(f"{name}: the compiled call did not raise")
+        except Exception as err:  # Dynamo may wrap it: the eager text comes first
+            if not (isinstance(err, MimoFxError) or str(err).startswith(eager)):
+                problems.append(f"{name}: {type(err).__name__}: {str(err)[:300]!r} does "
+                                f"not start with the eager error {eager[:200]!r}")
+    return "; ".join(problems) or None
 
 
 def _features(rank: int, world: int) -> dict:
@@ -249,6 +275,17 @@ def _inductor_and_leaks(rank: int, world: int) -> dict:
         bridge = Redistributor(src, dst, SIZES)
         bridge.destroy()
         bridge.destroy()
+    import mimo_fx
+
+    unprepared = torch.compile(lambda x: mimo_fx.redistribute(x, src, dst, **SIZES),
+                               backend="inductor", fullgraph=True)
+    try:
+        unprepared(_inputs(rank, src)[2])
+        out["inductor_unprepared"] = "redistribute compiled without prepare did not raise"
+    except Exception as err:
+        out["inductor_unprepared"] = (
+            None if "call mimo_fx.compiled.prepare(src, dst" in str(err)
+            else f"{type(err).__name__}: {str(err)[:300]}")
     out["no_leak_after_1000"] = (None if len(pg_map) == before and live_groups() == 0
                                  else f"{len(pg_map) - before} process groups leaked")
     return out
@@ -280,7 +317,8 @@ def test_feature_on_4_ranks(world4, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["inductor_eager_matches_math", "inductor_graph_breaks",
-                                  "inductor_compiled_equals_eager", "no_leak_after_1000"])
+                                  "inductor_compiled_equals_eager", "inductor_bad_inputs",
+                                  "inductor_unprepared", "no_leak_after_1000"])
 def test_feature_on_2_ranks(world2, name):
     problems = {rank: r[name] for rank, r in enumerate(world2) if r[name] is not None}
     assert not problems, problems
