@@ -128,7 +128,7 @@ def _exchange_rows(rank: int, iters: int) -> list:
         times = timed({
             "given": lambda x=x, s=s, b=bridge: b(x, b=8, s=s),
             "learned": lambda x=x, b=bridge: b(x),
-            "exchange": lambda x=x, b=bridge, h=h: b._learn(x, {"h": h}),
+            "exchange": lambda x=x, b=bridge, h=h: b._learn(x, {"h": h}, {}),
             "bare": bare(fwd, bridge.executor.comm),
         }, iters, 5)
         rows.append((label, {k: v[0] for k, v in times.items()}))
