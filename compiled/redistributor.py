@@ -103,10 +103,9 @@ class Redistributor:
         checks = [(CHECK, self.union)] if len(self.union) > 1 else []
         self.lease = Lease(f"this bridge {src.describe()!r} -> {dst.describe()!r}",
                            (), tagged + checks)
-        timeouts.register(self.name, self._context().rstrip(": "),
-                          self.involved and not dst.holds(self.rank))
-        _BY_NAME[self.name] = self
         self._source_only = self.involved and not dst.holds(self.rank)
+        timeouts.register(self.name, self._context().rstrip(": "), self._source_only)
+        _BY_NAME[self.name] = self
         if self._source_only:
             SOURCE_ONLY.setdefault(self.name, None)
         self.executor = CompiledExecutor(self.lease.comm(fwd), comm_dtype,
