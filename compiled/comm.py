@@ -28,7 +28,9 @@ they are, one after the other.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +63,12 @@ class Comm(ABC):
         parts (an all-to-all), else empty. ``site`` names the call for errors (see
         :mod:`.timeouts`)."""
 
+    def start(self, kind: Collective, flat: torch.Tensor, ranks: Ranks,
+              out_splits: Splits = (), in_splits: Splits = (), site: str = "") -> Handle:
+        """:meth:`collective`, posted: its output comes from the handle's ``wait()``. A
+        comm that cannot post without waiting runs it here (the default)."""
+        return Handle(self.collective(kind, flat, ranks, out_splits, in_splits, site))
+
     def all_gather(self, flat: torch.Tensor, ranks: Ranks) -> torch.Tensor:
         """Every member's ``flat`` (equal sizes), concatenated in member order."""
         return self.collective(Collective.ALL_GATHER, flat, ranks)
@@ -78,6 +86,25 @@ class Comm(ABC):
         """Member j gets ``in_splits[j]`` elements of ``flat`` (in member order) and
         returns what every member sent it, ``out_splits[i]`` from member i."""
         return self.collective(Collective.ALL_TO_ALL, flat, ranks, out_splits, in_splits)
+
+
+class Handle:
+    """A posted collective's output, there once :meth:`wait` returns it."""
+
+    def __init__(self, out: torch.Tensor, works: Sequence = (), site: str = "",
+                 kind: Collective | None = None) -> None:
+        self.out, self.works, self.site, self.kind = out, list(works), site, kind
+
+    def wait(self) -> torch.Tensor:
+        works, self.works = self.works, []
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as err:
+            raise timeouts.failed(self.site, self.kind, err) from None
+        if works:
+            timeouts.ran(self.site)
+        return self.out
 
 
 _c10d = torch.ops._c10d_functional
@@ -171,10 +198,129 @@ def _exchanged(flats, out_splits, in_splits) -> list[torch.Tensor]:
     return out
 
 
+# -- point-to-point: an all-to-all (and, on gloo, an all-gather) as messages -----------------
+# A collective synchronises every member of its group: an all-to-all over both grids in
+# which four pairs exchange data costs every rank a round with every other, and gloo runs
+# each collective through its process group's worker thread. Messages pair only the ranks
+# that exchange data: a rank with nothing to send or receive returns at once. Messages
+# pair per (sender, receiver, process group) in posting order, and every member posts an
+# op's messages in program order, so they pair as the collective's parts would.
+# group name -> (process group, coalesce, its global ranks)
+_BACKENDS: dict[str, tuple[Any, bool, tuple[int, ...]]] = {}
+
+
+def _group(name: str) -> tuple[Any, bool, tuple[int, ...]]:
+    """The process group registered under ``name``; whether its messages must be posted
+    together (NCCL pairs a send with its receive only inside one group call; gloo posts
+    each message as it comes); its members' global ranks."""
+    entry = _BACKENDS.get(name)
+    if entry is None or entry[0].group_name != name:
+        import torch.distributed as dist
+
+        pg = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
+        entry = _BACKENDS[name] = (pg, dist.get_backend(pg) != "gloo",
+                                   tuple(dist.get_process_group_ranks(pg)))
+        if len(_BACKENDS) > 4096:  # (names of destroyed groups are never used again)
+            _BACKENDS.clear()
+    return entry
+
+
+def _messages_gather(name: str) -> bool:
+    """Whether an all-gather on group ``name`` goes as messages: on gloo, whose
+    all-gather is a ring through its worker thread (about 1.6x the messages' time on 8
+    processes); other backends' own all-gather is the faster one."""
+    return not _group(name)[1]
+
+
+RECORD_ENV = "TORCH_FR_BUFFER_SIZE"  # recording on: Flight Recorder, and the journal
+JOURNAL_KEPT = 20000
+# ops run as messages, newest last: (time ns, kind, group ranks, elements in, elements
+# out, ((peer, elements) sent), ((peer, elements) received)); read by :mod:`.trace`,
+# since Flight Recorder does not see gloo's messages
+JOURNAL: deque[tuple] = deque(maxlen=JOURNAL_KEPT)
+JOURNALED = [0]  # ops ever journaled (the oldest kept is number this - len(JOURNAL))
+
+
+def recording() -> bool:
+    """Whether this process records what it runs (``TORCH_FR_BUFFER_SIZE`` > 0)."""
+    return int(os.environ.get(RECORD_ENV, "0") or 0) > 0
+
+
+def _journal(*record) -> None:
+    import time
+
+    JOURNALED[0] += 1
+    JOURNAL.append((time.time_ns(), *record))
+
+
+def _post(kind: Collective, name: str, flat: torch.Tensor, out: torch.Tensor, sends: list,
+          recvs: list) -> list:
+    """Send ``(group rank, tensor)`` pairs and receive into the ``recvs`` tensors; the
+    works to wait for (a rank waits for its own sends too: their buffers may be views of
+    what the caller reuses). The op is journaled (:data:`JOURNAL`) when recording."""
+    pg, coalesce, members = _group(name)
+    if recording():
+        _journal(kind, members, flat.numel(), out.numel(),
+                 tuple((members[j], t.numel()) for j, t in sends),
+                 tuple((members[j], t.numel()) for j, t in recvs))
+    if coalesce:
+        import torch.distributed as dist
+
+        ops = [dist.P2POp(dist.isend, t, group=pg, group_peer=j) for j, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, group=pg, group_peer=j) for j, t in recvs]
+        return dist.batch_isend_irecv(ops) if ops else []
+    return [pg.send([t], j, 0) for j, t in sends] + [pg.recv([t], j, 0) for j, t in recvs]
+
+
+def _exchange_messages(flat: torch.Tensor, out_splits, in_splits, name: str
+                       ) -> tuple[torch.Tensor, list]:
+    """An all-to-all posted as messages: its output buffer and the works to wait for."""
+    me = _group(name)[0].rank()
+    flat = flat.contiguous()  # (a packed 1-d view may be strided)
+    out = flat.new_empty(sum(out_splits))
+    sends, recvs = [], []
+    at = 0
+    for j, n in enumerate(in_splits):
+        if n and j != me:
+            sends.append((j, flat[at:at + n]))
+        elif n:
+            own = flat[at:at + n]
+        at += n
+    at = 0
+    for j, n in enumerate(out_splits):
+        if n and j != me:
+            recvs.append((j, out[at:at + n]))
+        elif n:
+            out[at:at + n].copy_(own)
+        at += n
+    return out, _post(Collective.ALL_TO_ALL, name, flat, out, sends, recvs)
+
+
+def _gather_messages(flat: torch.Tensor, n: int, name: str) -> tuple[torch.Tensor, list]:
+    """An all-gather posted as messages: its output buffer and the works to wait for."""
+    me = _group(name)[0].rank()
+    flat = flat.contiguous()
+    out = flat.new_empty(n * flat.numel())
+    rows = out.view(n, flat.numel())
+    rows[me].copy_(flat)
+    return out, _post(Collective.ALL_GATHER, name, flat, out,
+                      [(j, flat) for j in range(n) if j != me],
+                      [(j, rows[j]) for j in range(n) if j != me])
+
+
+def _waited(posted: tuple[torch.Tensor, list]) -> torch.Tensor:
+    out, works = posted
+    for work in works:
+        work.wait()
+    return out
+
+
 OPS: dict[Collective, CommOp] = {op.kind: op for op in (
     _comm_op(
         Collective.ALL_GATHER, "Tensor flat, int group_size, str group",
-        lambda flat, n, group: _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, n, group)),
+        lambda flat, n, group: _waited(_gather_messages(flat, n, group))
+        if _messages_gather(group) else
+        _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, n, group)),
         lambda flat, n, group: flat.new_empty(flat.numel() * n),
         lambda flat, ranks, group, out_splits, in_splits: (flat, len(ranks), group),
         _gathered, ("_allgather_base", "all_gather_into_tensor")),
@@ -194,8 +340,8 @@ OPS: dict[Collective, CommOp] = {op.kind: op for op in (
     _comm_op(
         Collective.ALL_TO_ALL,
         "Tensor flat, SymInt[] out_splits, SymInt[] in_splits, str group",
-        lambda flat, out_splits, in_splits, group: _c10d.wait_tensor(
-            _c10d.all_to_all_single(flat, out_splits, in_splits, group)),
+        lambda flat, out_splits, in_splits, group: _waited(_exchange_messages(
+            flat, out_splits, in_splits, group)),
         lambda flat, out_splits, in_splits, group: flat.new_empty(sum(out_splits)),
         lambda flat, ranks, group, out_splits, in_splits: (
             flat, list(out_splits), list(in_splits), group),
@@ -241,3 +387,23 @@ class FunctionalComm(Comm):
                    out_splits: Splits = (), in_splits: Splits = (),
                    site: str = "") -> torch.Tensor:
         return OPS[kind](flat, ranks, self.names[ranks], out_splits, in_splits, site)
+
+    def start(self, kind: Collective, flat: torch.Tensor, ranks: Ranks,
+              out_splits: Splits = (), in_splits: Splits = (), site: str = "") -> Handle:
+        """Eagerly, a collective that goes as messages is posted and left in flight
+        (the others, and every collective under ``torch.compile``, run at once)."""
+        name = self.names[ranks]
+        if torch.compiler.is_compiling() or not (
+                kind is Collective.ALL_TO_ALL or kind is Collective.ALL_GATHER
+                and _messages_gather(name)):
+            return Handle(self.collective(kind, flat, ranks, out_splits, in_splits, site))
+        try:
+            if kind is Collective.ALL_TO_ALL:
+                out, works = _exchange_messages(flat, list(out_splits), list(in_splits), name)
+            else:
+                out, works = _gather_messages(flat, len(ranks), name)
+        except RuntimeError as err:
+            raise timeouts.failed(site, kind, err) from None
+        if not works:
+            timeouts.ran(site)
+        return Handle(out, works, site, kind)

@@ -115,7 +115,8 @@ def test_explain_lists_transfers_of_an_all_to_all(capsys):
     # dst replica dp0 (ranks 8-11) takes samples 0:4 from src dp0's last stage (ranks 2, 3)
     pieces = re.findall(r"^  (\d+) -> (\d+): ", out, flags=re.M)
     assert pieces and all(int(d) in range(8, 12) for s, d in pieces if int(s) in (2, 3))
-    assert "all_to_all over 16 ranks (16 transfers), then all_gather in 4 group(s) of 2" in out
+    assert ("all_to_all as messages in 4 group(s) of 16 ranks (16 transfers), then all_gather "
+            "in 4 group(s) of 2") in out
 
 
 def test_png_is_written(tmp_path, capsys):

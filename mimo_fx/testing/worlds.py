@@ -244,7 +244,8 @@ def _registered_bridges() -> str:
 
 def _where_stuck(processes: list, stuck: list[int], out_dir: str) -> str:
     """The ranks that never finished their function, each with the innermost frames of
-    its stack (asked for with SIGUSR1, see ``_serve``)."""
+    its stack (asked for with SIGUSR1, see ``_serve``; ``MIMO_FX_STACK_FRAMES``, 3 by
+    default, says how many)."""
     for rank in stuck:
         if processes[rank].is_alive():
             os.kill(processes[rank].pid, signal.SIGUSR1)
@@ -256,7 +257,8 @@ def _where_stuck(processes: list, stuck: list[int], out_dir: str) -> str:
                 frames = [ln.strip() for ln in f if ln.strip().startswith("File")]
         except FileNotFoundError:  # not yet listening: still starting up
             frames = ["(not started: importing torch or before its process group)"]
-        lines.append(f"rank {rank} is at: " + (" <- ".join(frames[:3]) or "(no stack)"))
+        shown = frames[:int(os.environ.get("MIMO_FX_STACK_FRAMES", "3"))]
+        lines.append(f"rank {rank} is at: " + (" <- ".join(shown) or "(no stack)"))
     return "\n  ".join(lines)
 
 
