@@ -323,15 +323,36 @@ class Exchange(Step):
         for t in self.transfers:
             yield t.src, t.dst, box_volume(t.box)
 
+    @property
+    def parties(self) -> tuple[tuple[int, ...], ...]:
+        """The groups of ranks that exchange data (connected by transfers), each running
+        independently of the others: the exchange is issued as point-to-point messages,
+        so a rank waits only for its own peers, and a rank in no group for nobody."""
+        parent: dict[int, int] = {}
+
+        def root(r: int) -> int:
+            while parent.setdefault(r, r) != r:
+                parent[r] = parent[parent[r]]
+                r = parent[r]
+            return r
+
+        for t in self.transfers:
+            parent[root(t.src)] = root(t.dst)
+        members: dict[int, list[int]] = defaultdict(list)
+        for r in sorted(parent):
+            members[root(r)].append(r)
+        return tuple(sorted(tuple(g) for g in members.values()))
+
     def describe(self, plan: Plan) -> str:
         pairs = sorted({(t.src, t.dst) for t in self.transfers})
         shown = ", ".join(f"{s}->{d}" for s, d in pairs[:8])
         more = f", ... ({len(pairs)} pairs)" if len(pairs) > 8 else ""
-        return (f"{self.kind.value} over {len(self.ranks)} ranks, {len(self.transfers)} "
-                f"transfers: {shown}{more}")
+        return (f"{self.kind.value} as messages in {_fmt_groups(self.parties)} of "
+                f"{len(self.ranks)} ranks, {len(self.transfers)} transfers: {shown}{more}")
 
     def summary(self) -> str:
-        return f"{self.kind.value} over {len(self.ranks)} ranks ({len(self.transfers)} transfers)"
+        return (f"{self.kind.value} as messages in {len(self.parties)} group(s) of "
+                f"{len(self.ranks)} ranks ({len(self.transfers)} transfers)")
 
 
 def _fmt_groups(groups) -> str:
@@ -757,9 +778,9 @@ def _frame(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...],
     gather_axes = tuple(a for a in need.free_axes if a not in kept)
     want = need
     ragged = frozenset(src.ragged_dims) | frozenset(dst.ragged_dims)
-    phase_dim = _longest_dim(need, dst.holders[0], ragged)
-    if (_disjoint(src, dst) and prod(dst.grid.axis_size(a) for a in gather_axes) > 1
-            and phase_dim is not None):
+    k = prod(dst.grid.axis_size(a) for a in gather_axes)
+    phase_dim = _share_dim(need, dst, k, ragged)
+    if _disjoint(src, dst) and k > 1 and phase_dim is not None:
         want = need.refine(phase_dim, gather_axes)
     else:  # (with only ragged dims, every replica takes the whole box)
         gather_axes = ()
@@ -784,6 +805,22 @@ def _longest_dim(tiling: Tiling, rank: int, ragged: frozenset[str] = frozenset()
     if not candidates:
         return None
     return tiling.dims[max(candidates, key=lambda i: (extents[i], -i))]
+
+
+def _share_dim(need: Tiling, dst: Layout, k: int, ragged: frozenset[str]) -> str | None:
+    """The dim the first phase cuts into ``k`` shares: the outermost of the dst piece
+    (its first local dim) that splits evenly, else the outermost at least ``k`` long,
+    else the longest. Cut there, each share is a contiguous run of the dst piece: a
+    sender sends a view, and the gathered shares laid end to end are the dst piece, with
+    no copy on either side. None if every dim is ragged (never cut)."""
+    rank = dst.holders[0]
+    extents = dict(zip(need.dims, (sum(b - a for a, b in seg) for seg in need.segments(rank))))
+    order = [d for d in dst.dims if d not in ragged]
+    for fits in (lambda n: n % k == 0 and n >= k, lambda n: n >= k):
+        for d in order:
+            if fits(extents[d]):
+                return d
+    return _longest_dim(need, rank, ragged)
 
 
 def _reduce_dim(src: Layout, dst: Layout, hold: Tiling, want: Tiling,
