@@ -20,7 +20,7 @@ from . import timeouts
 from .comm import Comm
 from .lowering import AddAt, Cat, Node, Op, Program, Take, View
 
-__all__ = ["CompiledExecutor", "issue", "Numbers"]
+__all__ = ["CompiledExecutor", "Started", "issue", "Numbers"]
 
 
 class Numbers:
@@ -161,33 +161,90 @@ class CompiledExecutor:
             ) -> tuple[torch.Tensor, ...]:
         """``program`` on ``(local,)``; a template program's numbers at ``env``; a row
         program's index vectors are ``inputs``; ``direction`` picks the comm."""
+        return self.start(program, tensors, env, inputs, direction=direction).finish()
+
+    def start(self, program: Program, tensors: tuple[torch.Tensor, ...],
+              env: dict | None = None, inputs: tuple[torch.Tensor, ...] = (), *,
+              direction: str = "forward") -> Started:
+        """:meth:`run` up to its first collective, which is posted and not waited for
+        (:meth:`Started.finish` waits for it and runs the rest): what lets a transfer
+        overlap the caller's compute."""
         (local,) = tensors
         num = PLAIN if env is None else Numbers(env)
         if self.check is not None and direction == "backward" \
                 and not self.check(local, program, num):
-            return (local.new_zeros((0,) * program.out_ndim),)  # (raises when it runs)
-        dtype = local.dtype
+            return Started.done(local.new_zeros((0,) * program.out_ndim))  # (raises later)
         canon = local
         if program.src_expand is not None:
             canon = canon.reshape(num.all(program.src_expand))
         if program.src_perm is not None:
             canon = canon.permute(program.src_perm)
-        entries: list[torch.Tensor | None] = [canon]
-        wire = self.comm_dtype
-        comm = self.comms[direction]
-        sites = self._sites(program, direction)
-        for i, op in enumerate(program.ops):
-            flat = issue(comm, op, _pack(entries, op, wire, num, inputs), num, sites[i])
-            if wire is not None:
-                flat = flat.to(dtype)
-            entries += _unpacked(flat, op, num)
+        run = Started(self, program, local, [canon], num, inputs, direction)
+        if program.ops:
+            run.post(0)
+        return run
+
+
+class Started:
+    """A program run up to a posted collective (:meth:`CompiledExecutor.start`)."""
+
+    def __init__(self, executor: CompiledExecutor, program: Program | None,
+                 local: torch.Tensor, entries: list, num: Numbers, inputs: tuple,
+                 direction: str) -> None:
+        self.executor, self.program, self.local = executor, program, local
+        self.entries, self.num, self.inputs, self.direction = entries, num, inputs, direction
+        self.pending: Any = None  # (op index, handle) of the posted collective
+        self.result: tuple[torch.Tensor, ...] | None = None
+
+    @staticmethod
+    def done(out: torch.Tensor) -> Started:
+        run = Started(None, None, out, [], PLAIN, (), "")  # type: ignore[arg-type]
+        run.result = (out,)
+        return run
+
+    def post(self, i: int) -> None:
+        ex = self.executor
+        program = self.program
+        assert program is not None
+        op = program.ops[i]
+        site = ex._sites(program, self.direction)[i]
+        flat = _pack(self.entries, op, ex.comm_dtype, self.num, self.inputs)
+        self.pending = (i, ex.comms[self.direction].start(
+            op.kind, flat, op.ranks, self.num.all(op.out_splits),
+            self.num.all(op.in_splits), site))
+
+    def _take(self) -> int:
+        i, handle = self.pending
+        self.pending = None
+        flat = handle.wait()
+        if self.executor.comm_dtype is not None:
+            flat = flat.to(self.local.dtype)
+        assert self.program is not None
+        self.entries += _unpacked(flat, self.program.ops[i], self.num)
+        return i
+
+    def finish(self) -> tuple[torch.Tensor, ...]:
+        """Wait for the posted collective, run the rest; the dst piece (once)."""
+        if self.result is not None:
+            return self.result
+        program, num, entries, local = self.program, self.num, self.entries, self.local
+        assert program is not None
+        if self.pending is not None:
+            i = self._take()
+            for j in range(i + 1, len(program.ops)):
+                self.post(j)
+                self._take()
         if program.out is None:
-            return (local.new_empty((0,) * program.out_ndim),)
-        out = _build(entries, program.out, num, inputs)
-        if program.out_clone:
+            self.result = (local.new_empty((0,) * program.out_ndim),)
+            return self.result
+        out = _build(entries, program.out, num, self.inputs)
+        if program.out_clone and torch.compiler.is_compiling():
+            # (eagerly a view of the input is returned as it is: a custom Function may
+            # return one; a traced graph's output must not alias its input)
             out = out.clone()
         if program.out_perm is not None:
             out = out.permute(program.out_perm)
         if program.out_local is not None:
             out = out.reshape(num.all(program.out_local))
-        return (out.contiguous(),)
+        self.result = (out.contiguous(),)
+        return self.result

@@ -137,6 +137,15 @@ class Program:
     out_ndim: int                       # dims of the dst local tensor (also when empty)
     src_shape: tuple[int, ...] | None = None  # the src local shape; None: holds none
 
+    @property
+    def identity(self) -> bool:
+        """Whether the dst piece is the src piece itself: nothing to move, nothing to
+        rearrange (the call then returns its input)."""
+        return (not self.ops and self.out == View(0, None) and self.src_perm is None
+                and self.out_perm is None and self.src_shape is not None
+                and (self.out_local == self.src_shape if self.src_expand is not None
+                     else self.out_local is None))
+
 
 def _shape(block: Block) -> tuple[int, ...]:
     return tuple(sum(b - a for a, b in segs) for segs in block)

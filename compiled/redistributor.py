@@ -41,7 +41,8 @@ from .rows import RowSizing, key_of
 from .sizing import CACHED_SIZES, CALL_OPTIONS, Sizing, _size_key
 from .timeouts import cause, wait_time
 
-__all__ = ["Redistributor", "CALL_OPTIONS", "CACHED_SIZES", "placeholder", "backward"]
+__all__ = ["Redistributor", "Pending", "CALL_OPTIONS", "CACHED_SIZES", "placeholder",
+           "backward"]
 
 LOG = logging.getLogger("mimo_fx")
 
@@ -129,6 +130,10 @@ class Redistributor:
             require_compiler(scalar_outputs=True, unbacked_tensors=self.rows)
         _log_plans(self)
         self._traced_handle = _traced_handle(self)
+        # nothing to move either way: a call returns its input (a view of it)
+        self._agreed: tuple | None = None  # the last size exchange: (this rank's row, rows)
+        self._identity = (not self.free and not self.rows and self.sizing.fwd_program.identity
+                          and self.sizing.bwd_program.identity)
 
     # -- the parts' answers, under the names callers use ---------------------------------
     @property
@@ -228,8 +233,24 @@ class Redistributor:
             out[name] = given
         return out
 
+    def start(self, x: torch.Tensor | None, sizes: dict | None = None, *, src=None,
+              dst=None, **dim_sizes) -> Pending:
+        """The call, posted: its transfer is in flight when this returns, and
+        :meth:`Pending.wait` gives the result (a tensor autograd tracks as the call's).
+        Run independent compute between the two: it overlaps the transfer. Eager only:
+        under ``torch.compile`` call the bridge itself (the compiler places the wait).
+        Every rank posts its calls in the same order (a rank may wait late)."""
+        if torch.compiler.is_compiling():
+            raise_now(f"{self.lease.what}: start() posts a transfer eagerly; under "
+                      f"torch.compile call the bridge itself")
+        self.lease.check()
+        if not self.involved:
+            return Pending(None)
+        out = self._call(x, sizes, dim_sizes, self._layouts(src, dst), post=True)
+        return out if isinstance(out, Pending) else Pending(out)
+
     def _call(self, x: torch.Tensor | None, sizes, dim_sizes,
-              layouts: dict) -> torch.Tensor | None:
+              layouts: dict, post: bool = False) -> Any:
         full, learned = self._sizes(x, sizes, dim_sizes, layouts)
         try:
             fwd, bwd, env, *inputs = self.sizing.programs(full, learned, x, **layouts)
@@ -248,10 +269,14 @@ class Redistributor:
         if not self.guard(x, "src", shape, full, print_, grad, digest):
             # (compiled, checked: the check raises on every rank when the graph runs)
             return self._no_src.new_zeros((0,) * len(self.dst.local_dims))
+        if self._identity and x is not None:
+            return x.view_as(x)  # (a view: its grad passes through)
         if x is None:
             x = self._no_src
             self._warn_none_in_func(bwd)
         assert x is not None  # the guard rejected None on ranks that hold src
+        if post:
+            return Pending(None, self, x, fwd, bwd, env, index)
         if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             # no autograd possible: skip the autograd.Function layer (tens of µs a call)
             env_map = None if env is None else dict(zip(self.sizing.variables, env))
@@ -265,6 +290,9 @@ class Redistributor:
             # input an op's output, whose requirement Dynamo does see.
             x = x.view(x.shape)
         (y,) = apply(self.executor, fwd, bwd, (x,), env, self.sizing.variables, index)
+        return self._keep(y)
+
+    def _keep(self, y: torch.Tensor) -> torch.Tensor:
         if self._source_only and y.requires_grad and not _in_transform():
             # a source-only rank: its backward runs in mimo_fx.backward() (a store under
             # a key made when the bridge was built: a compiled step guards on no state)
@@ -347,6 +375,53 @@ class Redistributor:
                 del _TRACED[self.name]
             if self._slot is not None:
                 _LIVE[self._slot[0]].discard(self._slot[1])
+
+
+class Pending:
+    """A posted bridge call (:meth:`Redistributor.start`); :meth:`wait` gives its
+    result, waiting for the transfer if it is still in flight."""
+
+    def __init__(self, result: torch.Tensor | None, bridge: Redistributor | None = None,
+                 x=None, fwd=None, bwd=None, env=None, index: tuple = ()) -> None:
+        self._result, self._bridge = result, bridge
+        self._done = bridge is None
+        if bridge is not None:
+            env_map = None if env is None else dict(zip(bridge.sizing.variables, env))
+            self._args = (x, fwd, bwd, env, index)
+            self._grad = torch.is_grad_enabled() and x.requires_grad
+            self._run = bridge.executor.start(fwd, (x.detach(),), env_map, index)
+
+    def wait(self) -> torch.Tensor | None:
+        """This rank's dst piece (as the call returns it); the same tensor if called
+        again."""
+        if self._done:
+            return self._result
+        bridge = self._bridge
+        assert bridge is not None
+        x, fwd, bwd, env, index = self._args
+        if not self._grad:
+            (y,) = self._run.finish()
+        else:
+            resume = _Resume(bridge.executor, self._run)
+            with torch.enable_grad():
+                (y,) = apply(resume, fwd, bwd, (x,), env, bridge.sizing.variables, index)
+            y = bridge._keep(y)
+        self._result, self._done = y, True
+        del self._args, self._run
+        return y
+
+
+class _Resume:
+    """An executor whose forward is a run already started: the custom vjp's forward
+    finishes it, its backward runs as usual."""
+
+    def __init__(self, executor: CompiledExecutor, run) -> None:
+        self.executor, self.run_ = executor, run
+
+    def run(self, program, tensors, env=None, inputs=(), *, direction: str = "forward"):
+        if direction == "forward":
+            return self.run_.finish()
+        return self.executor.run(program, tensors, env, inputs, direction=direction)
 
 
 # (kept for the header's length in callers that decode check rows)
@@ -443,9 +518,19 @@ def _exchange_impl(row: torch.Tensor, known, batch, bridge: str, spec: str) -> t
     known = [int(v) for v in known]
     mine = row.clone()
     mine[1] = fingerprint(int(mine[1]), known, spec, [b.tolist() for b in batch])
+    sizes = _read_sizes(known, spec)
+    key = (tuple(mine.tolist()), spec)
+    agreed = self._agreed
+    if agreed is not None and agreed[0] == key and not self.sizing.missing(sizes):
+        # every size given, as in the last exchange, whose rows agreed: nothing to learn
+        # and nothing new to check (a rank whose sizes changed exchanges alone and times
+        # out naming the exchange, and its peers time out in their data transfer)
+        return agreed[1].clone()
     rows = self._exchange_rows(mine)
-    self.sizing.sizes_from(rows, _read_sizes(known, spec))
-    return rows.reshape(-1).clone()
+    self.sizing.sizes_from(rows, sizes)
+    out = rows.reshape(-1).clone()
+    self._agreed = (key, out)
+    return out.clone()
 
 
 _LIB = torch.library.Library("mimo_fx", "FRAGMENT")

@@ -70,12 +70,18 @@ class _Redistribute(torch.autograd.Function):
 
 def _like_input(g: torch.Tensor, shape) -> torch.Tensor:
     """``g``, or an empty gradient of the input's ``shape`` where ``g`` is empty."""
+    if not torch.compiler.is_compiling() and g.shape == shape:  # (plain ints)
+        return g
     from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
     if len(g.shape) == len(shape) and all(statically_known_true(a == b)
                                           for a, b in zip(g.shape, shape)):
         return g
     return g.new_zeros(shape) if guard_or_false(g.numel() == 0) else g
+
+
+# the autograd.Function's C++ apply, which Function.apply ends in
+_APPLY = super(torch.autograd.Function, _Redistribute).apply  # type: ignore[misc]
 
 
 def _env(variables, values) -> dict | None:
@@ -91,6 +97,11 @@ def apply(executor: Executor, fwd, bwd, tensors, values: tuple | None = None,
     route's indices, traced as graph inputs rather than baked-in constants), never
     differentiated."""
     job = (executor, fwd, bwd, variables, values, len(aux))
+    if not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
+        # Function.apply binds the arguments to forward's signature on every call (its
+        # inspect.signature costs more than the rest of a local call); with no torch.func
+        # transform active it then calls this very base method
+        return _APPLY(job, *tensors, *aux)
     if torch.compiler.is_compiling() and not (
             torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         # nothing to differentiate: Dynamo would trace the forward alone, but it passes it
