@@ -149,9 +149,9 @@ class _Bins:
             f"size, always fits) or use more bins")
 
     def _place_all(self, order: list[int], tightest: bool) -> bool:
-        """Place ``order``'s items one by one on the least-loaded bin with room (ties:
-        the lower bin), or the fullest with room (``tightest``); whether every item
-        found one."""
+        """Place ``order``'s items one by one on the least-loaded bin with room (ties: the
+        one with fewer items, then the lower bin), or the fullest with room
+        (``tightest``); whether every item found one."""
         if tightest:
             for i in order:
                 fit = [b for b in range(len(self.load)) if self._fits(b, self.sizes[i])]
@@ -159,16 +159,16 @@ class _Bins:
                     return False
                 self._add(i, max(fit, key=lambda b: (self.used[b], -b)))
         else:
-            heap = [(0.0, b) for b in range(len(self.load))]
+            heap = [(0.0, 0, b) for b in range(len(self.load))]
             for i in order:
                 popped = []
-                while heap and not self._fits(heap[0][1], self.sizes[i]):
+                while heap and not self._fits(heap[0][2], self.sizes[i]):
                     popped.append(heapq.heappop(heap))
                 if not heap:
                     return False
-                _, b = heapq.heappop(heap)
+                _, _, b = heapq.heappop(heap)
                 self._add(i, b)
-                heapq.heappush(heap, (self.load[b], b))
+                heapq.heappush(heap, (self.load[b], len(self.items[b]), b))
                 for entry in popped:
                     heapq.heappush(heap, entry)
         for items in self.items:
