@@ -277,8 +277,14 @@ def place(samples: Sequence[Sequence[Sample]], loaders: Grid, encoder: Grid, llm
     seq_cost = _costs(sample_cost, sequence_costs(lengths), "sample_cost", "sample")
     n_enc, n_llm = _groups(encoder), _groups(llm)
     if balanced:
-        image_group = assign(img_cost, n_enc, capacity=encoder_capacity, sizes=tokens)
+        homes = _Homes(per_loader, loaders, encoder, llm)
         sample_group = assign(seq_cost, n_llm, capacity=llm_capacity, sizes=lengths)
+        if _uniform(llm_capacity):
+            sample_group = homes.relabel(sample_group, homes.llm_weights(sample_group))
+        image_group = assign(img_cost, n_enc, capacity=encoder_capacity, sizes=tokens)
+        if _uniform(encoder_capacity):
+            image_group = homes.relabel(image_group, homes.encoder_weights(image_group,
+                                                                          sample_group))
     else:
         n = len(per_loader)
         image_group = [i * n_enc // n for i, mine in enumerate(per_loader)
@@ -286,6 +292,75 @@ def place(samples: Sequence[Sequence[Sample]], loaders: Grid, encoder: Grid, llm
         sample_group = [i * n_llm // n for i, mine in enumerate(per_loader) for _ in mine]
     return Placement(loaders, encoder, llm, per_loader, tuple(image_group),
                      tuple(sample_group), tuple(img_cost), tuple(seq_cost), zigzag)
+
+
+# -- keeping rows home -------------------------------------------------------------------
+class _Homes:
+    """Where a step's rows start, to name the bins ``assign`` returns: bins are
+    interchangeable (any renaming has the same loads), so each bin takes the group that
+    already holds most of its rows -- a loader's rows where they were loaded, an
+    encoder's rows on the LLM ranks they feed. Greedy, heaviest pair first."""
+
+    def __init__(self, samples, loaders: Grid, encoder: Grid, llm: Grid) -> None:
+        self.flat = [(i, s) for i, mine in enumerate(samples) for s in mine]
+        self.loader = [set(_group_ranks(loaders, d)) for d in range(_groups(loaders))]
+        self.encoder = [set(_group_ranks(encoder, e)) for e in range(_groups(encoder))]
+        cp = llm.axis_size("cp") if "cp" in llm.names else 1
+        self.cells = [[set(r for r in _group_ranks(llm, g)
+                           if llm.coord(r).get("cp", 0) == c) for c in range(cp)]
+                      for g in range(_groups(llm))]
+
+    def _held(self, holders: set[int], g: int) -> float:
+        """The share of an LLM group's rows (spread evenly over its cp cells) landing on
+        a rank that ``holders`` has."""
+        cells = self.cells[g]
+        return sum(len(holders & cell) / len(cell) for cell in cells) / len(cells)
+
+    def llm_weights(self, sample_group: list[int]) -> list[list[float]]:
+        """``[bin][group]``: the tokens of the bin's samples already on that group."""
+        out = [[0.0] * len(self.cells) for _ in self.cells]
+        for (i, s), b in zip(self.flat, sample_group):
+            for g in range(len(self.cells)):
+                out[b][g] += s.length * self._held(self.loader[i], g)
+        return out
+
+    def encoder_weights(self, image_group: list[int], sample_group: list[int]
+                        ) -> list[list[float]]:
+        """``[bin][group]``: the image tokens of the bin already on that encoder group
+        (loaded there), plus those whose LLM ranks are in it (no move after encoding)."""
+        out = [[0.0] * len(self.encoder) for _ in self.encoder]
+        images = [(i, n, g) for (i, s), g in zip(self.flat, sample_group) for n in s.images]
+        for (i, n, g), b in zip(images, image_group):
+            for e, ranks in enumerate(self.encoder):
+                out[b][e] += n * (len(self.loader[i] & ranks) / len(ranks)
+                                  + self._held(ranks, g))
+        return out
+
+    @staticmethod
+    def relabel(bin_of: list[int], weights: list[list[float]]) -> list[int]:
+        """``bin_of`` with each bin renamed: heaviest (bin, group) pair first, ties to
+        the lower bin, then the lower group; bins left over take the groups left over."""
+        n = len(weights)
+        pairs = sorted(((w, b, g) for b, row in enumerate(weights) for g, w in enumerate(row)
+                        if w > 0), key=lambda t: (-t[0], t[1], t[2]))
+        name, taken = [-1] * n, [False] * n
+        for _, b, g in pairs:
+            if name[b] < 0 and not taken[g]:
+                name[b], taken[g] = g, True
+        free = iter(g for g in range(n) if not taken[g])
+        name = [g if g >= 0 else next(free) for g in name]
+        return [name[b] for b in bin_of]
+
+
+def _uniform(capacity: object) -> bool:
+    """Whether every bin has the same capacity (renaming bins then keeps it)."""
+    if capacity is None or not isinstance(capacity, Sequence):
+        return True
+    return len(set(capacity)) <= 1
+
+
+def _group_ranks(grid: Grid, d: int) -> list[int]:
+    return [r for r in grid.ranks if grid.coord(r).get("dp", 0) == d]
 
 
 # -- helpers ------------------------------------------------------------------------------
