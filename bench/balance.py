@@ -30,16 +30,17 @@ to group ``d``), *balanced* is :func:`mimo_fx.placement.place`.
    bf16 pixels, forward), image embeddings (4096 bf16, forward and backward), text
    (token ids, int64, forward), and the sample exchange itself (one all-gather).
 3. **Step time** (8 gloo processes, 2 cores): each step, both placements in turn (the
-   order alternating), every rank doing the real exchange, ``place``, the patches and
-   embeddings bridges (``redistribute``, rows at 1/64 of the tokens, 64 floats wide) and
-   compute proportional to its cost: the encoder multiplies its received rows by a 256 x
-   256 matrix 16 times; an LLM rank a block of ``cost / 64 / cp`` rows likewise. Wall
-   time from barrier to barrier, and each rank's compute CPU time. On 2 cores the 8
-   ranks share the CPU, so the wall time follows the total work (which balancing does
-   not change); the busiest rank's compute time is what a step takes with a core per
-   rank.
+   order alternating), every rank doing the real exchange, ``place`` (by the real
+   costs), the patches and embeddings bridges (``redistribute``, eager, one row per 256
+   tokens, 64 floats wide) and compute proportional to its cost (real matmuls sized by
+   tokens): an encoder rank multiplies the rows it received by a 256 x 256 matrix 192
+   times, an LLM rank a block of ``cost / 256 / cp`` rows likewise. Per placement: the
+   wall time from barrier to barrier, and each rank's CPU time placing the step, in the
+   bridges and computing. On 2 cores the 8 ranks share the CPU, so the wall time follows
+   the total work, which balancing does not change; with a core per rank a step takes
+   the busiest rank's placing + bridges + compute (waits aside), the last column.
 
-    python bench/balance.py            # about 10 minutes on 2 cores
+    python bench/balance.py            # about 12 minutes on 2 cores
     python bench/balance.py --quick    # 10 steps
 """
 
@@ -76,7 +77,7 @@ SOURCES = {
 }
 ROW_BYTES = {"patches": 14 * 14 * 3 * 2, "embeddings": 4096 * 2, "text": 8}
 BACKWARD = {"patches": False, "embeddings": True, "text": False}
-SCALE, WIDTH, D, REPS = 64, 64, 256, 48  # the timed steps' rows, row width, compute
+SCALE, WIDTH, D, REPS = 256, 64, 256, 192  # the timed steps' rows, row width, compute
 EXCHANGE = 512  # int64 values per rank in the sample exchange
 
 
@@ -355,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     print(bytes_table(out), flush=True)
     rows = run_world(8, _timed, steps, timeout=args.timeout)[0]
     print(f"\nstep time on 8 gloo processes (2 cores), {steps} steps, placements "
-          f"interleaved; compute proportional to cost (rows = tokens / {SCALE}):")
+          f"interleaved; compute proportional to cost (rows = tokens / {SCALE}); means over "
+          f"the steps, ms:")
     print(time_table(rows))
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"\nload average at the end: {load}")

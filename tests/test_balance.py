@@ -429,8 +429,22 @@ def _gloo(rank: int, world: int) -> dict:
         out.append({"shared": shared, "groups": (step.image_group, step.sample_group),
                     "storage": storage.detach(), "weight": weight,
                     "grads": (mine_p.grad, mine_t.grad)})
+    example = _example().step(rank, world)
     destroy()
-    return out
+    return {"steps": out, "example": example}
+
+
+def _example():
+    """docs/examples/balanced_loader.py, docs/balance.md's example."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "examples" / "balanced_loader.py"
+    spec = importlib.util.spec_from_file_location("balanced_loader", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -439,6 +453,7 @@ def gloo(worlds):
 
 
 def test_every_rank_places_alike_and_moves_rows_exactly(gloo):
+    gloo = [r["steps"] for r in gloo]
     for k in range(2):
         everyone = random_samples(random.Random(100 + k), 4, 3)
         assert all(r[k]["shared"] == tuple(map(tuple, everyone)) for r in gloo)
@@ -465,6 +480,32 @@ def test_every_rank_places_alike_and_moves_rows_exactly(gloo):
         for r in range(4):
             torch.testing.assert_close(gloo[r][k]["grads"][0], shard(patches.grad, p_src)[r])
             torch.testing.assert_close(gloo[r][k]["grads"][1], shard(text.grad, t_src)[r])
+
+
+def test_the_docs_example_moves_rows_and_gradients_exactly(gloo):
+    """docs/examples/balanced_loader.py: each LLM rank's packed storage against
+    ``full_math`` of every loader's batch, the encoder's gradient summed over the ranks
+    and each loader's text gradient against autograd of that math."""
+    example = _example()
+    grids = Grid(dp=4), Grid(dp=4), Grid(cp=2, dp=2)
+    for k in range(2):
+        batches = [example.my_batch(k, r) for r in range(4)]
+        step = place([b[0] for b in batches], *grids)
+        pixels = torch.cat([b[1] for b in batches])
+        text = torch.cat([b[2] for b in batches]).requires_grad_()
+        w = torch.eye(4, requires_grad=True)
+        _, llm_want = full_math(step, pixels, text, torch.zeros(step.total_tokens, 1),
+                                lambda x: x @ w)
+        loss = 0
+        for r in range(4):
+            expected = llm_want[r // 2][0][r % 2]
+            torch.testing.assert_close(gloo[r]["example"][k][0], expected.detach())
+            loss = loss + expected.square().sum() / step.total_tokens
+        loss.backward()
+        torch.testing.assert_close(sum(gloo[r]["example"][k][1] for r in range(4)), w.grad)
+        t_src, _ = step.text("t h")
+        for r in range(4):
+            torch.testing.assert_close(gloo[r]["example"][k][2], shard(text.grad, t_src)[r])
 
 
 # -- the main job's balanced variant -------------------------------------------------------
