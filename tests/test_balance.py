@@ -392,6 +392,10 @@ def test_balanced_beats_naive_on_skewed_loaders():
     for which in ("encoder_loads", "llm_loads"):
         a, b = getattr(ours, which)(), getattr(naive, which)()
         assert max(a) / (sum(a) / len(a)) <= 1.05 < max(b) / (sum(b) / len(b)), which
+    # the bins renamed after their rows' homes: the same loads as assign's
+    for costs, got, bins in ((ours.image_cost, ours.encoder_loads(), 8),
+                             (ours.sample_cost, ours.llm_loads(), 4)):
+        assert sorted(got) == sorted(loads(costs, assign(costs, bins), bins))
     tokens = [s.length for mine in samples for s in mine]
     capped = place(samples, *grids, llm_capacity=max(sum(tokens) / 4 * 1.1, max(tokens)))
     groups = [sum(n for n, g in zip(tokens, capped.sample_group) if g == d) for d in range(4)]
@@ -495,7 +499,7 @@ def test_the_docs_example_moves_rows_and_gradients_exactly(gloo):
         text = torch.cat([b[2] for b in batches]).requires_grad_()
         w = torch.eye(4, requires_grad=True)
         _, llm_want = full_math(step, pixels, text, torch.zeros(step.total_tokens, 1),
-                                lambda x: x @ w)
+                                lambda x, w=w: x @ w)
         loss = 0
         for r in range(4):
             expected = llm_want[r // 2][0][r % 2]
