@@ -156,6 +156,27 @@ class Placement:
     sample_cost: tuple[float, ...] = field(repr=False)
     zigzag: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("loaders", "encoder", "llm"):
+            if not isinstance(getattr(self, name), Grid):
+                raise MimoFxError(f"Placement {name} must be a Grid, got "
+                                  f"{getattr(self, name)!r}")
+        per_loader = _check_samples(self.samples, self.loaders)
+        images = sum(len(s.images) for mine in per_loader for s in mine)
+        samples = sum(len(mine) for mine in per_loader)
+        for what, values, n, grid in (("image_group", self.image_group, images, self.encoder),
+                                      ("sample_group", self.sample_group, samples, self.llm),
+                                      ("image_cost", self.image_cost, images, None),
+                                      ("sample_cost", self.sample_cost, samples, None)):
+            if len(values) != n:
+                raise MimoFxError(f"Placement {what} has {len(values)} entries for {n} "
+                                  f"{what.split('_')[0]}s; give one each, in the loaders' "
+                                  f"order (place() does)")
+            bad = [g for g in values if grid is not None and not 0 <= g < _groups(grid)]
+            if bad:
+                raise MimoFxError(f"Placement {what} names groups {bad[:8]} that {grid} "
+                                  f"does not have (0..{_groups(grid) - 1})")
+
     # -- the step in numbers -------------------------------------------------------------
     @cached_property
     def flat(self) -> tuple[Sample, ...]:
@@ -177,24 +198,25 @@ class Placement:
 
     # -- the bridges ---------------------------------------------------------------------
     def patches(self, pattern: str = "t f") -> tuple[PackedLayout, PackedLayout]:
-        """Image patches from their loader to the encoder rank encoding their image:
-        src ``loader_images``, dst the encoder's images (each rank its images in image
-        order, no padding; every axis but dp replicates)."""
+        """Image patches from their loader to the encoder rank encoding their image: src
+        each loader's image rows (its images in order), dst the encoder's (each group
+        its images in image order, no padding; every axis but dp replicates)."""
         return self._loader(pattern, lambda s: s.images), self._encoder_rows(pattern)
 
     def embeddings(self, pattern: str = "t h") -> tuple[PackedLayout, PackedLayout]:
         """Encoded image rows from the encoder to the LLM cp rank holding their tokens."""
-        return self._encoder_rows(pattern), self.packed(pattern).select(self._where("image"))
+        return (self._encoder_rows(pattern),
+                self.packed(pattern).select(self._where(lambda s: s.image_positions)))
 
     def text(self, pattern: str = "t h") -> tuple[PackedLayout, PackedLayout]:
         """Text rows (a loader's text tokens, sample by sample) to their tokens."""
         return (self._loader(pattern, lambda s: [sum(s.text)]),
-                self.packed(pattern).select(self._where("text")))
+                self.packed(pattern).select(self._where(lambda s: s.text_positions)))
 
     def tokens(self, pattern: str = "t h") -> tuple[PackedLayout, PackedLayout]:
         """Per-token rows (every token of a loader's samples) to their tokens."""
         return (self._loader(pattern, lambda s: [s.length]),
-                self.packed(pattern).select(self._where("all")))
+                self.packed(pattern).select(self._where(lambda s: range(s.length))))
 
     def packed(self, pattern: str = "t h") -> PackedLayout:
         """The LLM's packed batch: dp group ``d`` packs its samples, in the loaders'
@@ -232,9 +254,9 @@ class Placement:
             groups[d].append(s)
         return groups
 
-    def _where(self, which: str) -> list[int]:
-        """The packed batch's token of every ``which`` row ("image", "text" or "all"),
-        in the loaders' order."""
+    def _where(self, positions) -> list[int]:
+        """The packed batch's token of every row at ``positions(sample)`` of each
+        sample, in the loaders' order."""
         start, at = [0] * len(self.flat), 0
         for group in self._llm_samples:
             for s in group:
@@ -242,9 +264,7 @@ class Placement:
                 at += self.flat[s].length
         out: list[int] = []
         for s, sample in enumerate(self.flat):
-            within = sample.image_positions if which == "image" else \
-                sample.text_positions if which == "text" else range(sample.length)
-            out += [start[s] + p for p in within]
+            out += [start[s] + p for p in positions(sample)]
         return out
 
 

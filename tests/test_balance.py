@@ -40,7 +40,7 @@ from mimo_fx.balance import (
     sequence_costs,
 )
 from mimo_fx.packed import Packing, pack_shard
-from mimo_fx.placement import Sample, decode_samples, encode_samples, place
+from mimo_fx.placement import Placement, Sample, decode_samples, encode_samples, place
 from mimo_fx.reference import shard
 
 # -- distributions -------------------------------------------------------------------------
@@ -258,6 +258,13 @@ def test_place_mistakes():
         place([[Sample()], []], grid, grid, grid, image_cost=[1.0])
     with pytest.raises(MimoFxError, match=r"sample_cost\[0\] = -1"):
         place([[Sample()], []], grid, grid, grid, sample_cost=[-1])
+    good = place([[Sample((1, 1), (2,))], []], grid, grid, grid)
+    with pytest.raises(MimoFxError, match=r"Placement image_group has 2 entries for 1 "
+                                          r"images; give one each"):
+        Placement(grid, grid, grid, good.samples, (0, 1), (0,), (1.0,), (1.0,))
+    with pytest.raises(MimoFxError, match=r"Placement sample_group names groups \[2\] that "
+                                          r"Grid\(dp=2\) does not have \(0..1\)"):
+        Placement(grid, grid, grid, good.samples, (0,), (2,), (1.0,), (1.0,))
 
 
 def random_samples(rng: random.Random, loaders: int, per: int) -> list[list[Sample]]:
