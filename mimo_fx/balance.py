@@ -12,14 +12,14 @@ The lower bound on the busiest bin is ``max(sum(costs) / bins, max(costs))``
 (:func:`lower_bound`): no assignment beats it. :func:`assign` is LPT (the costliest item
 first, each to the least-loaded bin) followed by a bounded pass of moves and swaps out of
 the busiest bin; on skewed costs with a few items per bin or more it lands within a few
-percent of the bound (``bench/balance.py``, ``tests/test_balance.py``). LPT alone is
-never worse than 4/3 of the optimum.
+percent of the bound (``bench/balance.py``, ``tests/test_balance.py``). Without a
+capacity it is never worse than LPT, and LPT never worse than 4/3 of the optimum.
 
 Costs come from the work an item makes: :func:`image_costs` (an encoder's work grows
 with an image's tokens, ``tiles * tokens_per_tile``) and :func:`sequence_costs` (an LLM
 layer's linear work grows with a sequence's length, its attention with the square).
 
->>> costs = [9, 1, 1, 1, 7, 3, 2, 8]            # 32 in all, over 4 bins: 8 each at best
+>>> costs = [9, 1, 1, 1, 7, 3, 2, 8]            # 32 over 4 bins; the 9 bounds it
 >>> bins = assign(costs, 4)
 >>> bins
 [0, 3, 3, 2, 2, 3, 3, 1]
