@@ -45,6 +45,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import torch
+
 from .balance import _check_numbers, assign, image_costs, sequence_costs
 from .errors import MimoFxError
 from .grid import Grid
@@ -245,7 +247,7 @@ class Placement:
         rows = [start[k] + t for k, n in enumerate(tokens) for t in range(n)]
         lay = PackedLayout(self.encoder, pattern, [[tokens[k] for k in images]
                                                    for images in mine], zigzag=False)
-        return lay.select(rows)
+        return lay.select(torch.tensor(rows, dtype=torch.int64))
 
     @cached_property
     def _llm_samples(self) -> list[list[int]]:
@@ -254,7 +256,7 @@ class Placement:
             groups[d].append(s)
         return groups
 
-    def _where(self, positions) -> list[int]:
+    def _where(self, positions) -> torch.Tensor:
         """The packed batch's token of every row at ``positions(sample)`` of each
         sample, in the loaders' order."""
         start, at = [0] * len(self.flat), 0
@@ -265,7 +267,7 @@ class Placement:
         out: list[int] = []
         for s, sample in enumerate(self.flat):
             out += [start[s] + p for p in positions(sample)]
-        return out
+        return torch.tensor(out, dtype=torch.int64)
 
 
 def place(samples: Sequence[Sequence[Sample]], loaders: Grid, encoder: Grid, llm: Grid, *,
