@@ -520,6 +520,31 @@ def test_the_docs_example_moves_rows_and_gradients_exactly(gloo):
 
 
 # -- the main job's balanced variant -------------------------------------------------------
+def test_the_balanced_variants_loaders_are_skewed_and_placed_evenly():
+    """The job's data: its loaders skewed (naive busiest encoder rank over twice the
+    mean), its placement even, its undistributed batch every loader's samples in order."""
+    from mimo_fx.jobs.balanced import (
+        LAYOUT,
+        LOADERS,
+        BalancedConfig,
+        global_batch,
+        loader_batch,
+        step_numbers,
+    )
+
+    cfg = BalancedConfig()
+    batches = [loader_batch(cfg, 1, i) for i in range(LOADERS.size)]
+    grids = LAYOUT.grids()
+    step = place([b.samples for b in batches], LOADERS, grids["enc"], grids["llm"])
+    numbers = step_numbers(cfg, step)
+    assert numbers["enc naive"] > 2 and numbers["enc balanced"] < 1.1, numbers
+    assert numbers["llm naive"] > 1.3 and numbers["llm balanced"] < 1.1, numbers
+    batch = global_batch(cfg, 1)
+    assert torch.equal(batch.features, torch.cat([b.features for b in batches]))
+    assert [len(t) for t in batch.ids] == [s.length for s in step.flat]
+    assert batch.image_tokens == [n for s in step.flat for n in s.images]
+
+
 @pytest.fixture(scope="module")
 def balanced_job(worlds):
     from mimo_fx.jobs.e2e import Run, train_worker
