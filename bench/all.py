@@ -1,6 +1,6 @@
 """Every mimo_fx benchmark in one command, results written under ``bench/results/``.
 
-    python bench/all.py            # full runs (about 17 minutes on 2 cores)
+    python bench/all.py            # full runs (about 14 minutes on 2 cores)
     python bench/all.py --quick    # fewer sizes and calls, results not written
     python bench/all.py --before /work/wt/old-380e8b4   # versions.py against that checkout
 

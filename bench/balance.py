@@ -40,7 +40,7 @@ to group ``d``), *balanced* is :func:`mimo_fx.placement.place`.
    the total work, which balancing does not change; with a core per rank a step takes
    the busiest rank's placing + bridges + compute (waits aside), the last column.
 
-    python bench/balance.py            # about 12 minutes on 2 cores
+    python bench/balance.py            # about 7 minutes on 2 cores
     python bench/balance.py --quick    # 10 steps
 """
 
