@@ -600,7 +600,8 @@ def _pattern_dims(pattern: str) -> tuple[list[str], list[str]]:
 
 def _check_tokens(tokens: object, total: int) -> tuple[int, ...]:
     if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.dtype == torch.bool:
+        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() \
+                or tokens.dtype == torch.bool:
             raise MimoFxError(f"select takes a 1-D integer tensor (or list) of tokens, got "
                               f"dtype {tokens.dtype} and shape {tuple(tokens.shape)}")
         out = tuple(tokens.tolist())  # integers already: no check per token
