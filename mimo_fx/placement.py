@@ -166,15 +166,17 @@ class Placement:
         per_loader = _check_samples(self.samples, self.loaders)
         images = sum(len(s.images) for mine in per_loader for s in mine)
         samples = sum(len(mine) for mine in per_loader)
-        for what, values, n, grid in (("image_group", self.image_group, images, self.encoder),
-                                      ("sample_group", self.sample_group, samples, self.llm),
-                                      ("image_cost", self.image_cost, images, None),
-                                      ("sample_cost", self.sample_cost, samples, None)):
+        for what, values, n in (("image_group", self.image_group, images),
+                                ("sample_group", self.sample_group, samples),
+                                ("image_cost", self.image_cost, images),
+                                ("sample_cost", self.sample_cost, samples)):
             if len(values) != n:
                 raise MimoFxError(f"Placement {what} has {len(values)} entries for {n} "
                                   f"{what.split('_')[0]}s; give one each, in the loaders' "
                                   f"order (place() does)")
-            bad = [g for g in values if grid is not None and not 0 <= g < _groups(grid)]
+        for what, groups, grid in (("image_group", self.image_group, self.encoder),
+                                   ("sample_group", self.sample_group, self.llm)):
+            bad = [g for g in groups if not 0 <= g < _groups(grid)]
             if bad:
                 raise MimoFxError(f"Placement {what} names groups {bad[:8]} that {grid} "
                                   f"does not have (0..{_groups(grid) - 1})")
