@@ -1,6 +1,6 @@
 """Every mimo_fx benchmark in one command, results written under ``bench/results/``.
 
-    python bench/all.py            # full runs (about 7 minutes on 2 cores)
+    python bench/all.py            # full runs (about 14 minutes on 2 cores)
     python bench/all.py --quick    # fewer sizes and calls, results not written
     python bench/all.py --before /work/wt/old-380e8b4   # versions.py against that checkout
 
@@ -21,7 +21,11 @@ Runs, one after the other so they do not disturb each other's timings:
 6. ``vlm_step.py``: a real VLM step (a tiny HF LLaVA, FSDP2 + DTensor TP, 4 gloo ranks):
    mimo_fx vs a hand-written isend/irecv bridge vs all-gathering every image row
    -> ``vlm_step.txt`` (skipped without transformers).
-7. ``versions.py``: a bridge's eager call overhead in this tree against an older checkout
+7. ``balance.py``: balanced MIMO batches over 100 steps of a skewed multimodal
+   distribution: the busiest rank's cost over the mean (encoder and LLM), naive vs
+   balanced, the bytes balancing moves, and the step time on 8 gloo processes
+   -> ``balance.txt``.
+8. ``versions.py``: a bridge's eager call overhead in this tree against an older checkout
    (``--before PATH``, passed on), and what checked mode and the per-collective naming
    cost now -> ``versions.txt``. Without ``--before`` it measures this tree alone and
    writes nothing.
@@ -50,6 +54,7 @@ SUITE = (
     ("compiled_speed.py", "compiled_speed_gloo8.txt"),
     ("variable_sizes.py", "variable_sizes.txt"),
     ("vlm_step.py", None),  # writes vlm_step.txt itself
+    ("balance.py", "balance.txt"),
     ("versions.py", None),  # writes versions.txt itself, given --before
 )
 

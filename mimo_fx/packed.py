@@ -568,7 +568,8 @@ class PackedLayout:
         """Per local token, its row in the selection (-1 if not selected)."""
         assert self.tokens is not None
         pick = torch.full((self.total + 1,), -1, dtype=torch.int64)
-        pick[torch.tensor(self.tokens, dtype=torch.int64)] = torch.arange(len(self.tokens))
+        selected = self.data[self.data.numel() - len(self.tokens):]  # (data ends with them)
+        pick[selected] = torch.arange(len(self.tokens))
         return pick[torch.where(tokens >= 0, tokens, self.total)]
 
 
@@ -599,13 +600,15 @@ def _pattern_dims(pattern: str) -> tuple[list[str], list[str]]:
 
 def _check_tokens(tokens: object, total: int) -> tuple[int, ...]:
     if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.dtype == torch.bool:
+        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() \
+                or tokens.dtype == torch.bool:
             raise MimoFxError(f"select takes a 1-D integer tensor (or list) of tokens, got "
                               f"dtype {tokens.dtype} and shape {tuple(tokens.shape)}")
-        tokens = tokens.tolist()
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        out = tuple(tokens.tolist())  # integers already: no check per token
+    elif isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
         raise MimoFxError(f"select takes a sequence of tokens (global rows), got {tokens!r}")
-    out = tuple(_int(g, "a selected token", "give token indices") for g in tokens)
+    else:
+        out = tuple(_int(g, "a selected token", "give token indices") for g in tokens)
     bad = [g for g in out if not 0 <= g < total]
     if bad:
         raise MimoFxError(f"selected tokens {bad[:8]} fall outside the batch's {total} "

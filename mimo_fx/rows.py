@@ -361,11 +361,24 @@ def plan_rows(src_rows: Mapping[int, object], dst_rows: Mapping[int, object],
     holders = _holders(ranks, srcs, n)
     _check_held(ranks, dsts, holders)
     sender = _choose_senders(ranks, srcs, dsts, holders, n)
-    sends = tuple(tuple(tuple(sorted({g for g in dsts[j] if g >= 0 and sender[g] == s
-                                      and g not in set(srcs[j])}))
-                        for j in range(len(ranks))) for s in ranks)
+    sends = _sends(ranks, srcs, dsts, sender)
     counted_set = frozenset(dst) if counted is None else frozenset(counted) & frozenset(dst)
     return RowPlan(n, ranks, srcs, dsts, counted_set, sender, sends, row_bytes)
+
+
+def _sends(ranks: Ints, srcs: tuple[Ints, ...], dsts: tuple[Ints, ...],
+           sender: tuple[int, ...]) -> tuple[tuple[Ints, ...], ...]:
+    """``[i][j]``: the rows ``ranks[i]`` sends ``ranks[j]``, rising: each row ``ranks[j]``
+    needs and does not hold, from its sender. One pass over every rank's rows (a row
+    needed and not held always has a sender)."""
+    at = {r: i for i, r in enumerate(ranks)}
+    out: list[list[set[int]]] = [[set() for _ in ranks] for _ in ranks]
+    for j, (need, have) in enumerate(zip(dsts, srcs)):
+        held = set(have)
+        for g in need:
+            if g >= 0 and g not in held:
+                out[at[sender[g]]][j].add(g)
+    return tuple(tuple(tuple(sorted(rows)) for rows in per) for per in out)
 
 
 def _holders(ranks: Ints, srcs: tuple[Ints, ...], n: int) -> list[list[int]]:

@@ -82,10 +82,19 @@ def test_the_core_imports_no_backend():
     known = set(modules)
     upper = ("mimo_fx.compiled", "mimo_fx.reference", "mimo_fx.op", "mimo_fx.mimo", "mimo_fx.jobs",
              "mimo_fx.interop", "mimo_fx.testing")
-    for core in ("grid", "layout", "regions", "collective", "plan", "local", "vjp", "errors"):
+    for core in ("grid", "layout", "regions", "collective", "plan", "local", "vjp", "errors",
+                 "balance", "placement"):
         name = f"mimo_fx.{core}"
         above = {t for t in _imports(name, modules[name], known) if t.startswith(upper)}
         assert not above, f"{name} imports {above}"
+
+
+def test_balanced_placement_never_communicates():
+    """``assign`` and ``place`` are pure: every rank computes the same result from the same
+    costs, so neither may reach for a collective."""
+    for core in ("balance", "placement"):
+        text = (ROOT / "mimo_fx" / f"{core}.py").read_text()
+        assert "torch.distributed" not in text and "import dist" not in text, core
 
 
 def test_no_long_function_without_a_reason():

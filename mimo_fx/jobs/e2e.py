@@ -18,7 +18,12 @@ undistributed model.
   per step; the encoder on DP8, the LLM on DP4 x CP2 with per-sequence zigzag, image
   embeddings sent straight to the cp rank holding their tokens by one redistribute into
   a packed layout, a varlen causal attention in plain torch; one compiled graph for every batch
-  (:mod:`mimo_fx.jobs.packed`).
+  (:mod:`mimo_fx.jobs.packed`);
+- **balanced**: the packed variant's model with a data loader per rank, deliberately
+  skewed (image-heavy documents on two, long text on two); every step the loaders'
+  samples are shared by one all-gather and images and samples placed by cost on the
+  encoder's ranks and the LLM's dp groups, all of it moved by redistribute between the
+  placement's layouts (:mod:`mimo_fx.jobs.balanced`).
 
 Each step is ``torch.func.grad_and_value`` of the SPMD loss on the process world
 (:class:`mimo_fx.compiled.world.ProcessWorld`), compiled with ``torch.compile`` (backend
@@ -83,6 +88,12 @@ def _packed(*args, **kwargs) -> dict:
     return train_packed(*args, **kwargs)
 
 
+def _balanced(*args, **kwargs) -> dict:
+    from .balanced import train_balanced
+
+    return train_balanced(*args, **kwargs)
+
+
 def _llava(*args, **kwargs) -> dict:
     from .llava import train_llava
 
@@ -90,8 +101,8 @@ def _llava(*args, **kwargs) -> dict:
 
 
 # variants with their own training loop: (rank, steps, backend, lr, say=) -> result
-EXTRA = {"pp_1f1b": _pipelined, "packed": _packed, "llava": _llava}
-DEFAULT = ["colocated", "pipelined", "variable", "pp_1f1b", "packed", "llava"]
+EXTRA = {"pp_1f1b": _pipelined, "packed": _packed, "balanced": _balanced, "llava": _llava}
+DEFAULT = ["colocated", "pipelined", "variable", "pp_1f1b", "packed", "balanced", "llava"]
 
 
 def unavailable(variant: str) -> str | None:
@@ -304,6 +315,8 @@ def check(results: list[dict]) -> list[str]:
         if res["variant"] == "packed" and res["backend"] != "eager" and res["graphs"] > 1:
             failures.append(f"packed: {res['graphs']} compiled graphs (one serves every "
                             f"batch and packing)")
+        if res["variant"] == "balanced":
+            failures += _check_balanced(res)
         if res["variant"] == "packed":
             for r in res["rows"]:
                 if not r["image_bytes"] * 2 <= r["seed_image_bytes"]:
@@ -321,13 +334,45 @@ def check(results: list[dict]) -> list[str]:
     return failures
 
 
+def _balanced_summary(res: dict) -> str:
+    rows = res["rows"]
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in rows) / len(rows)
+
+    return (f"balanced: busiest/mean over {len(rows)} steps, encoder {mean('enc naive'):.2f}x "
+            f"naive -> {mean('enc balanced'):.2f}x balanced, LLM {mean('llm naive'):.2f}x "
+            f"-> {mean('llm balanced'):.2f}x; bridges moved {format_bytes(mean('bytes naive'))}"
+            f" naive, {format_bytes(mean('bytes balanced'))} balanced per step (all ranks, "
+            f"both ways); one sample exchange per step "
+            f"({format_bytes(rows[0]['gather_bytes'])} sent per rank)")
+
+
+def _check_balanced(res: dict) -> list[str]:
+    """One graph for every batch and placement; one sample exchange per step; the busiest
+    group nearer the mean than the naive placement's, for both modules."""
+    out = []
+    if res["backend"] != "eager" and res["graphs"] > 1:
+        out.append(f"balanced: {res['graphs']} compiled graphs (one serves every batch and "
+                   f"placement)")
+    for r in res["rows"]:
+        if r["gathers"] != 1:
+            out.append(f"balanced step {r['step']}: {r['gathers']} sample exchanges, not 1")
+        for module in ("enc", "llm"):
+            if not r[f"{module} balanced"] < r[f"{module} naive"]:
+                out.append(f"balanced step {r['step']}: {module} busiest/mean "
+                           f"{r[f'{module} balanced']:.3f} balanced, not below the naive "
+                           f"{r[f'{module} naive']:.3f}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mimo_fx.jobs", description=__doc__.split(
         "\n\n")[0])
     parser.add_argument("--variant", action="append", choices=sorted(VARIANTS) + sorted(EXTRA),
                         help="layouts to train (repeatable; default: colocated, pipelined, "
-                             "variable, pp_1f1b, packed, and llava where transformers is "
-                             "installed)")
+                             "variable, pp_1f1b, packed, balanced, and llava where "
+                             "transformers is installed)")
     parser.add_argument("--steps", type=int, default=3, help="SGD steps (default 3)")
     parser.add_argument("--backend", default="aot_eager",
                         help="torch.compile backend (aot_eager, inductor) or 'eager'")
@@ -363,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.steps} steps (forward + backward, all ranks), the seeds' "
                   f"replicate-and-all-reduce scheme {format_bytes(seed, 1)} "
                   f"({seed / max(ours, 1):.1f}x more)")
+    for res in results:
+        if res["variant"] == "balanced":
+            print(_balanced_summary(res))
     failures = check(results)
     print(f"world run took {time.perf_counter() - start:.0f} s; "
           + ("all checks passed" if not failures else "FAILED:\n  " + "\n  ".join(failures)))

@@ -45,7 +45,7 @@ from mimo_fx.rows import plan_layouts, seed_bytes
 
 from .report import allreduce, step_row
 
-__all__ = ["LAYOUT", "PackedConfig", "packed_batch", "train_packed"]
+__all__ = ["LAYOUT", "PackedConfig", "attention_mask", "packed_batch", "train_packed"]
 
 LAYOUT = MimoParallelism(world_size=8, colocated=True, modules={
     "enc": M(dp=8), "llm": M(cp=2, dp=4)})
@@ -226,23 +226,28 @@ def _samples(cfg: PackedConfig, llm, d: int) -> range:
 
 def _inputs(batch: Batch, samples: range, packing: Packing, c: int) -> dict:
     """The LLM inputs of cp rank ``c`` of the dp group packing ``samples``: token ids,
-    targets, which tokens are real, and the attention mask over the group's tokens (its
-    keys, unpadded) from the packing's segment ids and positions."""
+    targets, which tokens are real, and the attention mask over the group's tokens."""
     token = packing.token_index(c)
     real = token >= 0
     take = torch.where(real, token, 0)
     ids = torch.cat([batch.ids[b] for b in samples])[take]
     target = torch.cat([batch.targets[b] for b in samples])[take]
+    return {"ids": ids, "mask": attention_mask(packing, c), "target": target,
+            "real": real[:, None].to(target.dtype)}
+
+
+def attention_mask(packing: Packing, c: int) -> torch.Tensor:
+    """Which of its dp group's tokens (the keys, unpadded, in packing order) each token
+    of cp rank ``c``'s storage attends to, from the packing's segment ids and positions:
+    a real query sees its own sequence's keys up to itself; a padding query sees every
+    key (no empty softmax row) and weighs nothing in the loss."""
     seg, pos = packing.segment_ids(c), packing.position_in_sequence(c)
     key_seg = torch.cat([torch.full((n,), s) for s, n in enumerate(packing.lengths)]
                         + [torch.zeros(0, dtype=torch.int64)])
     key_pos = torch.cat([torch.arange(n) for n in packing.lengths]
                         + [torch.zeros(0, dtype=torch.int64)])
-    # a real query sees its own sequence's keys up to itself; padding queries see every
-    # key (no empty softmax row) and weigh nothing in the loss
-    mask = ((key_seg[None, :] == seg[:, None]) & (key_pos[None, :] <= pos[:, None])) \
+    return ((key_seg[None, :] == seg[:, None]) & (key_pos[None, :] <= pos[:, None])) \
         | (seg[:, None] < 0)
-    return {"ids": ids, "mask": mask, "target": target, "real": real[:, None].to(target.dtype)}
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:
