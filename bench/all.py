@@ -25,7 +25,13 @@ Runs, one after the other so they do not disturb each other's timings:
    distribution: the busiest rank's cost over the mean (encoder and LLM), naive vs
    balanced, the bytes balancing moves, and the step time on 8 gloo processes
    -> ``balance.txt``.
-8. ``versions.py``: a bridge's eager call overhead in this tree against an older checkout
+8. ``megatron_compare.py``: Megatron-Core's own bridge communicators (colocated and
+   pipelined) beside mimo_fx's Redistributor (eager, compiled) and Bridge, 8 gloo ranks,
+   64 KiB to 16 MiB -> ``megatron_compare.txt`` (needs Megatron-Core: ``--megatron
+   PATH`` or ``--fetch``, passed on).
+9. ``overlap.py``: a posted bridge call overlapping independent compute against the
+   serial step, 4 gloo ranks -> ``overlap.txt``.
+10. ``versions.py``: a bridge's eager call overhead in this tree against an older checkout
    (``--before PATH``, passed on), and what checked mode and the per-collective naming
    cost now -> ``versions.txt``. Without ``--before`` it measures this tree alone and
    writes nothing.
@@ -55,6 +61,8 @@ SUITE = (
     ("variable_sizes.py", "variable_sizes.txt"),
     ("vlm_step.py", None),  # writes vlm_step.txt itself
     ("balance.py", "balance.txt"),
+    ("megatron_compare.py", None),  # writes megatron_compare.txt itself
+    ("overlap.py", "overlap.txt"),
     ("versions.py", None),  # writes versions.txt itself, given --before
 )
 
@@ -72,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="each script's --quick; nothing is written")
     parser.add_argument("--only", nargs="+", metavar="SCRIPT",
                         choices=[s for s, _ in SUITE], help="run only these scripts")
+    parser.add_argument("--megatron", metavar="PATH",
+                        help="megatron_compare.py: a megatron_core wheel or tree (else its "
+                             "cache, or --fetch)")
+    parser.add_argument("--fetch", action="store_true",
+                        help="megatron_compare.py: pip-download Megatron-Core if not cached")
     parser.add_argument("--before", metavar="PATH",
                         help="versions.py: a checkout of the older commit to compare against")
     args = parser.parse_args(argv)
@@ -84,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             cmd.append("--quick")
             if script == "plan_quality.py":
                 cmd.append("--no-save")
+        if script == "megatron_compare.py":
+            cmd += (["--megatron", args.megatron] if args.megatron else []) + (
+                ["--fetch"] if args.fetch else [])
         if script == "versions.py" and args.before:
             cmd += ["--before", args.before]
         header = (f"# python bench/{script}{' '.join([''] + cmd[2:])}, "

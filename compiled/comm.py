@@ -108,6 +108,9 @@ class Handle:
 
 
 _c10d = torch.ops._c10d_functional
+_c10d_py: Any = torch._C._distributed_c10d  # type: ignore[attr-defined]
+# the kinds whose op may return with its messages in flight (waited by wait_tensor)
+POSTED = frozenset({Collective.ALL_TO_ALL, Collective.ALL_GATHER})
 # a fragment: this module may be executed twice (e.g. imported under a second name by a
 # doctest run); the ops are then defined once and reused
 _LIB = torch.library.Library("mimo_fx", "FRAGMENT")
@@ -140,7 +143,12 @@ class CommOp:
 
     def __call__(self, flat: torch.Tensor, ranks: Ranks, group: str, out_splits: Splits = (),
                  in_splits: Splits = (), site: str = "") -> torch.Tensor:
-        return self.op(*self.args(flat, ranks, group, out_splits, in_splits), site)
+        out = self.op(*self.args(flat, ranks, group, out_splits, in_splits), site)
+        if self.kind in POSTED:
+            # the wait, an op of its own: under torch.compile the graph holds it where
+            # the call's result is first used, after any compute it does not depend on
+            out = _c10d.wait_tensor(out)
+        return out
 
     def output(self, flat: torch.Tensor, ranks: Ranks, out_splits: Splits = (),
                in_splits: Splits = ()) -> torch.Tensor:
@@ -162,6 +170,8 @@ def _comm_op(kind: Collective, params: str, run, fake, args, compute,
                 out = run(*rest)
             except RuntimeError as err:
                 raise timeouts.failed(site, kind, err) from None
+            if isinstance(out, tuple):  # posted messages: waited by wait_tensor
+                return _in_flight(*out, site, kind)
             timeouts.ran(site)
             return out
 
@@ -308,17 +318,32 @@ def _gather_messages(flat: torch.Tensor, n: int, name: str) -> tuple[torch.Tenso
                       [(j, rows[j]) for j in range(n) if j != me])
 
 
-def _waited(posted: tuple[torch.Tensor, list]) -> torch.Tensor:
-    out, works = posted
-    for work in works:
-        work.wait()
+def _in_flight(out: torch.Tensor, works: list, site: str, kind: Collective) -> torch.Tensor:
+    """``out``, its messages in flight: registered as one work that
+    ``_c10d_functional.wait_tensor(out)`` waits for (the op's wait, which a compiler
+    may place at the output's first use), raising a failed wait as :mod:`.timeouts`
+    words it."""
+    if not works:
+        timeouts.ran(site)
+        return out
+
+    def wait(*_) -> bool:
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as err:
+            raise timeouts.failed(site, kind, err) from None
+        timeouts.ran(site)
+        return True
+
+    _c10d_py._register_work(out, _c10d_py.PythonCallbackWork(wait))
     return out
 
 
 OPS: dict[Collective, CommOp] = {op.kind: op for op in (
     _comm_op(
         Collective.ALL_GATHER, "Tensor flat, int group_size, str group",
-        lambda flat, n, group: _waited(_gather_messages(flat, n, group))
+        lambda flat, n, group: _gather_messages(flat, n, group)
         if _messages_gather(group) else
         _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, n, group)),
         lambda flat, n, group: flat.new_empty(flat.numel() * n),
@@ -340,8 +365,8 @@ OPS: dict[Collective, CommOp] = {op.kind: op for op in (
     _comm_op(
         Collective.ALL_TO_ALL,
         "Tensor flat, SymInt[] out_splits, SymInt[] in_splits, str group",
-        lambda flat, out_splits, in_splits, group: _waited(_exchange_messages(
-            flat, out_splits, in_splits, group)),
+        lambda flat, out_splits, in_splits, group: _exchange_messages(
+            flat, out_splits, in_splits, group),
         lambda flat, out_splits, in_splits, group: flat.new_empty(sum(out_splits)),
         lambda flat, ranks, group, out_splits, in_splits: (
             flat, list(out_splits), list(in_splits), group),

@@ -109,7 +109,8 @@ def _holds(wire: torch.dtype, dtype: torch.dtype) -> bool:
     return dtype in ints and wire in ints and ints.index(wire) >= ints.index(dtype)
 
 
-def require_compiler(*, scalar_outputs: bool = False, unbacked_tensors: bool = False) -> None:
+def require_compiler(*, scalar_outputs: bool = False, unbacked_tensors: bool = False,
+                     late_waits: bool = False) -> None:
     """Set the global compiler options a bridge needs; the only place that sets any.
 
     ``scalar_outputs``: Dynamo's ``capture_scalar_outputs``, so sizes read back from a
@@ -119,6 +120,11 @@ def require_compiler(*, scalar_outputs: bool = False, unbacked_tensors: bool = F
     that pass asks whether a zero tensor of unbacked length (a row backward's per-row
     sums) is contiguous, a data-dependent question it cannot answer, and the compile
     fails; the pass only replaces constant tensors by fill calls.
+    ``late_waits``: inductor's ``sink_waits`` pass (``reorder_for_compute_comm_overlap``
+    with it among its passes), which moves each collective's wait to just before its
+    output's first use: compute a step runs between a bridge call and the use of its
+    result then overlaps the transfer. It moves waits only, never the ordered
+    collectives, and is added to whatever passes are set already.
     """
     if scalar_outputs:
         from torch._dynamo import config as dynamo_config
@@ -128,3 +134,12 @@ def require_compiler(*, scalar_outputs: bool = False, unbacked_tensors: bool = F
         from torch._inductor import config as inductor_config
 
         inductor_config.joint_graph_constant_folding = False
+    if late_waits:
+        from torch._inductor import config as inductor_config
+
+        passes = list(inductor_config.reorder_for_compute_comm_overlap_passes)
+        if not inductor_config.reorder_for_compute_comm_overlap:
+            passes = []  # (passes set but off: they were not meant to run)
+        if "sink_waits" not in passes:
+            inductor_config.reorder_for_compute_comm_overlap_passes = [*passes, "sink_waits"]
+        inductor_config.reorder_for_compute_comm_overlap = True

@@ -128,6 +128,7 @@ class Redistributor:
             # the size exchange's rows, a route's counts: read back as ints (.tolist());
             # a row backward's per-row sums: zero tensors of run-time length
             require_compiler(scalar_outputs=True, unbacked_tensors=self.rows)
+        require_compiler(late_waits=True)  # a transfer overlaps the compute after it
         _log_plans(self)
         self._traced_handle = _traced_handle(self)
         # nothing to move either way: a call returns its input (a view of it)
