@@ -63,6 +63,7 @@ SUITE = (
     ("balance.py", "balance.txt"),
     ("megatron_compare.py", None),  # writes megatron_compare.txt itself
     ("overlap.py", "overlap.txt"),
+    ("overlap.py --ranks 2", "overlap_2.txt"),
     ("versions.py", None),  # writes versions.txt itself, given --before
 )
 
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="each script's --quick; nothing is written")
     parser.add_argument("--only", nargs="+", metavar="SCRIPT",
-                        choices=[s for s, _ in SUITE], help="run only these scripts")
+                        choices=sorted({s.split()[0] for s, _ in SUITE}),
+                        help="run only these scripts")
     parser.add_argument("--megatron", metavar="PATH",
                         help="megatron_compare.py: a megatron_core wheel or tree (else its "
                              "cache, or --fetch)")
@@ -90,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     failed = []
     for script, out in SUITE:
-        if args.only and script not in args.only:
+        if args.only and script.split()[0] not in args.only:
             continue
-        cmd = [sys.executable, os.path.join(HERE, script)]
+        name, *extra = script.split()
+        cmd = [sys.executable, os.path.join(HERE, name), *extra]
         if args.quick:
             cmd.append("--quick")
             if script == "plan_quality.py":
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 ["--fetch"] if args.fetch else [])
         if script == "versions.py" and args.before:
             cmd += ["--before", args.before]
-        header = (f"# python bench/{script}{' '.join([''] + cmd[2:])}, "
+        header = (f"# python bench/{name}{' '.join([''] + cmd[2:])}, "
                   f"{datetime.date.today().isoformat()}; machine: {_machine()}")
         print(f"\n== {script} ==\n{header}", flush=True)
         start = time.perf_counter()

@@ -1,9 +1,9 @@
 """A bridge's transfer overlapping independent compute, against the same step in series.
 
 Four gloo processes: an encoder on ranks 0-1 (``Grid(dp=2)``) sends its activations to an
-LLM on ranks 2-3 (``Grid(dp=2, offset=2)``), ``(dp b) s h`` on both sides. Each step, every
-rank also runs compute that does not depend on the transfer (a chain of float32 matmuls:
-the next micro-batch's encoder, the text embeddings), then uses the bridge's result:
+LLM on ranks 2-3 (``Grid(dp=2, offset=2)``), ``(dp b) s h`` on both sides. Each step, the
+LLM ranks also run compute that does not depend on the transfer (a chain of float32
+matmuls: the text embeddings of the same micro-batch), then use the bridge's result:
 
 - **serial**: ``y = bridge(x)``; ``c = compute()``; ``use(y, c)``;
 - **overlapped**: ``p = bridge.start(x)``; ``c = compute()``; ``y = p.wait()``; ``use(y, c)``.
@@ -19,8 +19,9 @@ this 2-core machine 4 processes share the cores, so the transfer's own CPU work 
 into and out of the sockets) competes with the compute. Read the ratio, measured side
 by side.
 
-    python bench/overlap.py            # 30 timed steps per variant
-    python bench/overlap.py --quick    # 8 steps
+    python bench/overlap.py              # 30 timed steps per variant
+    python bench/overlap.py --ranks 2    # one sender, one receiver: a core each
+    python bench/overlap.py --quick      # 8 steps
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from mimo_fx.testing import run_world
 WORLD = 4
 SRC = Layout(Grid(dp=2), "(dp b) s h")
 DST = Layout(Grid(dp=2, offset=2), "(dp b) s h")
+# --ranks 2: one encoder rank sends to one LLM rank (a core each on a 2-core machine)
+PAIR = (Layout(Grid(dp=1), "(dp b) s h"), Layout(Grid(dp=1, offset=1), "(dp b) s h"))
 SIZES = {"b": 8, "s": 512, "h": 1024}   # 8 MiB float32 in all, 4 MiB per src rank
 QUICK_SIZES = {"b": 8, "s": 128, "h": 1024}
 
@@ -59,6 +62,10 @@ def _world(rank: int, world: int, sizes: dict, steps: int) -> dict:
     from mimo_fx.compiled import Redistributor
     from mimo_fx.reference import shard
 
+    global SRC, DST
+    if world == 2:
+        SRC, DST = PAIR
+
     torch.manual_seed(0)
     full = torch.randn(sizes["b"], sizes["s"], sizes["h"])
     x = shard(full, SRC).get(rank)
@@ -75,13 +82,14 @@ def _world(rank: int, world: int, sizes: dict, steps: int) -> dict:
 
         def compute():
             c = a
-            for _ in range(k[0]):
+            for _ in range(k[0] if DST.holds(rank) else 0):  # the LLM ranks compute
                 c = c @ a
             return c
 
         t_transfer = _median_over(transfer, 10)
-        t_one = _median_over(compute, 10)
-        k[0] = max(1, round(t_transfer / t_one))
+        k[0] = 8
+        t_eight = _median_over(compute, 10)
+        k[0] = max(1, round(8 * t_transfer / t_eight)) if DST.holds(rank) else 1
         k_all = torch.tensor([k[0]], dtype=torch.int64)
         dist.all_reduce(k_all, op=dist.ReduceOp.MAX)  # every rank computes alike
         k[0] = int(k_all)
@@ -132,16 +140,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--ranks", type=int, default=WORLD, choices=(2, 4),
+                        help="4 (two encoder ranks, two LLM ranks) or 2 (one each)")
     args = parser.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else SIZES
     steps = args.steps or (8 if args.quick else 30)
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
-    print(f"a bridge's transfer overlapping compute: {WORLD} gloo ranks, {SRC.describe()} on "
-          f"ranks 0-1 -> {DST.describe()} on ranks 2-3, sizes {sizes} (float32); median "
+    src, dst = (SRC, DST) if args.ranks == 4 else PAIR
+    print(f"a bridge's transfer overlapping compute: {args.ranks} gloo ranks, "
+          f"{src.describe()} on {src.grid!r} -> {dst.describe()} on {dst.grid!r}, sizes "
+          f"{sizes} (float32); median "
           f"of {steps} steps, interleaved, barrier before each; max over ranks\n"
           f"machine: {os.cpu_count()} CPUs, load average before {load}; torch "
           f"{torch.__version__}; 1 thread per rank\n", flush=True)
-    r = run_world(WORLD, _world, sizes, steps, timeout=900)[0]
+    r = run_world(args.ranks, _world, sizes, steps, timeout=900)[0]
     ms = {k: r[k] * 1e3 for k in ("transfer", "compute", "serial", "overlapped")}
     best = max(ms["transfer"], ms["compute"]) / (ms["transfer"] + ms["compute"])
     print(tabulate([[f"{ms['transfer']:.2f}", f"{ms['compute']:.2f} ({r['matmuls']} matmuls)",
