@@ -124,20 +124,21 @@ def _exchange_rows(rank: int, iters: int) -> list:
     src, dst = Layout(ENC, "(dp b) s h"), Layout(LLM, "(dp b) (cp s) h", zigzag="cp")
     rows = []
     for label, s, h in (("16 KiB", 64, 32), ("1 MiB", 1024, 128)):
-        bridge = Redistributor(src, dst, {"h": h})
+        bridge = Redistributor(src, dst, {"h": h})   # sizes given every call
+        learning = Redistributor(src, dst, {"h": h})  # sizes learned every call
         fixed = Redistributor(src, dst, {"b": 8, "s": s, "h": h})
         x = torch.randn(2, s, h)  # b=8 over dp 4: 2 samples per rank
         fwd = bridge.sizing.programs_at((("b", 8), ("h", h), ("s", s)))[0]
         times = timed({
             "fixed": lambda x=x, b=fixed: b(x),
             "given": lambda x=x, s=s, b=bridge: b(x, b=8, s=s),
-            "learned": lambda x=x, b=bridge: b(x),
-            "exchange": lambda x=x, b=bridge, h=h: b._learn(x, {"h": h}, {}),
+            "learned": lambda x=x, b=learning: b(x),
+            "exchange": lambda x=x, b=learning, h=h: b._learn(x, {"h": h}, {}),
             "bare": bare(fwd, bridge.executor.comm),
         }, iters, 5)
         rows.append((label, {k: v[0] for k, v in times.items()}))
-        bridge.destroy()
-        fixed.destroy()
+        for b in (bridge, learning, fixed):
+            b.destroy()
     return rows
 
 
