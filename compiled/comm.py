@@ -283,8 +283,9 @@ def _post(kind: Collective, name: str, flat: torch.Tensor, out: torch.Tensor, se
 
 
 def _exchange_messages(flat: torch.Tensor, out_splits, in_splits, name: str
-                       ) -> tuple[torch.Tensor, list]:
-    """An all-to-all posted as messages: its output buffer and the works to wait for."""
+                       ) -> tuple[torch.Tensor, list, int]:
+    """An all-to-all posted as messages: its output buffer, the works to wait for (its
+    sends first) and how many of them are sends."""
     me = _group(name)[0].rank()
     flat = flat.contiguous()  # (a packed 1-d view may be strided)
     out = flat.new_empty(sum(out_splits))
@@ -303,11 +304,13 @@ def _exchange_messages(flat: torch.Tensor, out_splits, in_splits, name: str
         elif n:
             out[at:at + n].copy_(own)
         at += n
-    return out, _post(Collective.ALL_TO_ALL, name, flat, out, sends, recvs)
+    return out, _post(Collective.ALL_TO_ALL, name, flat, out, sends, recvs), len(sends)
 
 
-def _gather_messages(flat: torch.Tensor, n: int, name: str) -> tuple[torch.Tensor, list]:
-    """An all-gather posted as messages: its output buffer and the works to wait for."""
+def _gather_messages(flat: torch.Tensor, n: int, name: str
+                     ) -> tuple[torch.Tensor, list, int]:
+    """An all-gather posted as messages: its output buffer, the works to wait for (its
+    sends first) and how many of them are sends."""
     me = _group(name)[0].rank()
     flat = flat.contiguous()
     out = flat.new_empty(n * flat.numel())
@@ -315,14 +318,23 @@ def _gather_messages(flat: torch.Tensor, n: int, name: str) -> tuple[torch.Tenso
     rows[me].copy_(flat)
     return out, _post(Collective.ALL_GATHER, name, flat, out,
                       [(j, flat) for j in range(n) if j != me],
-                      [(j, rows[j]) for j in range(n) if j != me])
+                      [(j, rows[j]) for j in range(n) if j != me]), n - 1
 
 
-def _in_flight(out: torch.Tensor, works: list, site: str, kind: Collective) -> torch.Tensor:
-    """``out``, its messages in flight: registered as one work that
+def _in_flight(out: torch.Tensor, works: list, sends: int, site: str,
+               kind: Collective) -> torch.Tensor:
+    """``out``, its receives in flight: registered as one work that
     ``_c10d_functional.wait_tensor(out)`` waits for (the op's wait, which a compiler
     may place at the output's first use), raising a failed wait as :mod:`.timeouts`
-    words it."""
+    words it. The sends are waited for here: the op's input is the compiler's buffer,
+    which it may reuse as soon as the op returns (every receive is posted already, so
+    no two ranks wait for each other's sends)."""
+    try:
+        for work in works[:sends]:
+            work.wait()
+    except RuntimeError as err:
+        raise timeouts.failed(site, kind, err) from None
+    works = works[sends:]
     if not works:
         timeouts.ran(site)
         return out
@@ -424,9 +436,10 @@ class FunctionalComm(Comm):
             return Handle(self.collective(kind, flat, ranks, out_splits, in_splits, site))
         try:
             if kind is Collective.ALL_TO_ALL:
-                out, works = _exchange_messages(flat, list(out_splits), list(in_splits), name)
+                out, works, _ = _exchange_messages(flat, list(out_splits), list(in_splits),
+                                                   name)
             else:
-                out, works = _gather_messages(flat, len(ranks), name)
+                out, works, _ = _gather_messages(flat, len(ranks), name)
         except RuntimeError as err:
             raise timeouts.failed(site, kind, err) from None
         if not works:
