@@ -726,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
             f"call, {params['warmup']} warm-up bursts), "
             f"{params['rounds']} x {params['gloo_iters']} real gloo calls per variant"]
     for label, tree in trees.items():
-        head.append(f"{label}: {tree} @ {_commit(tree)}")
+        head.append(f"{label}: {_commit(tree)}")  # (the commit, not where it is checked out)
     if not args.before:
         head.append("no --before: this tree only (checked mode and naming costs)")
     print("\n".join(head))
@@ -743,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         with open(RESULT, "w") as f:
-            f.write(f"# python bench/versions.py --before {args.before}, "
+            f.write(f"# python bench/versions.py --before CHECKOUT, "
                     f"{datetime.date.today().isoformat()}; torch {torch.__version__}\n"
                     + "\n".join(head) + "\n" + machine + "\n\n" + text + "\n" + tail + "\n")
     return 0
