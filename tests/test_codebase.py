@@ -132,3 +132,17 @@ def test_every_entry_point_the_readme_names_resolves():
     star: dict = {}
     exec("from mimo_fx import *", star)
     assert {"Grid", "Layout", "redistribute", "redistribute_dtensor", "backward"} <= set(star)
+
+
+def test_results_and_docs_carry_no_local_paths():
+    """What is published (results, docs, the README) names no machine's directories."""
+    import re
+
+    local = re.compile(r"(?<![\w.])/(?:work|tmp|home|root|Users|private|var/folders)/")
+    files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"),
+             *(ROOT / "bench" / "results").glob("*"), *(ROOT / "bench").glob("*.md")]
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}"
+             for path in files if path.is_file()
+             for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+             if local.search(line)]
+    assert not found, "local paths in published files:\n" + "\n".join(found)
