@@ -92,10 +92,58 @@ def test_every_page_has_a_tested_block_and_the_readme_links_it():
         assert f"](docs/{page.name})" in readme, f"the README does not link docs/{page.name}"
 
 
-def test_the_readme_is_short_and_its_first_screen_shows_three_examples():
-    assert len(README.read_text().splitlines()) <= 150
-    first = [(end, block) for end, block in _blocks(README) if end <= FIRST_SCREEN]
-    assert len(first) >= 3, f"python blocks ending in the first {FIRST_SCREEN} lines: {first}"
+def test_the_readme_is_short_installs_first_and_shows_two_whole_examples():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 150
+    blocks = _blocks(README)
+    assert text.index("```bash\npip install torch==") < text.index("```python"), \
+        "the README's install comes after its first example"
     kinds = ["doctest" if _is_doctest(b) else (_example_holding(b) or ["?"])[0]
-             for _, b in first[:3]]
-    assert kinds == ["doctest", "compiled_step.py", "packed_images.py"], kinds
+             for _, b in blocks[:2]]
+    assert kinds == ["doctest", "compiled_step.py"], kinds
+
+
+def _code(block: str) -> str:
+    """A block as python source (a doctest's prompts and outputs dropped)."""
+    if not _is_doctest(block):
+        return block
+    return "\n".join(line.strip()[4:] for line in block.splitlines()
+                     if line.strip().startswith((">>> ", "... ")))
+
+
+def _undefined(source: str) -> set[str]:
+    """Names ``source`` reads that it neither defines, imports nor takes from builtins."""
+    import builtins
+    import symtable
+
+    top = symtable.symtable(source, "<block>", "exec")
+    defined = {s.get_name() for s in top.get_symbols()
+               if s.is_assigned() or s.is_imported() or s.is_namespace()}
+    missing: set[str] = set()
+    tables = [top]
+    while tables:
+        table = tables.pop()
+        tables.extend(table.get_children())
+        for sym in table.get_symbols():
+            free = (sym.is_referenced() and not (sym.is_assigned() or sym.is_imported()
+                                                 or sym.is_parameter() or sym.is_free()))
+            if table is top or sym.is_global():
+                free = free and sym.get_name() not in defined
+            else:
+                free = False
+            if free and not hasattr(builtins, sym.get_name()):
+                missing.add(sym.get_name())
+    return missing
+
+
+@pytest.mark.parametrize("end, block", _blocks(README), ids=lambda v: _id(v))
+def test_every_readme_block_defines_or_imports_what_it_uses(end, block):
+    missing = _undefined(_code(block))
+    assert not missing, f"the README block ending at line {end} uses {sorted(missing)} " \
+                        f"without defining or importing them"
+
+
+def test_the_name_check_finds_an_undefined_name():
+    assert _undefined("import torch\ndef f(x):\n    return torch.tanh(x @ w) + y\ny = 1\n") \
+        == {"w"}
+    assert _undefined(_code(">>> from a import b\n>>> b(c)\n")) == {"c"}

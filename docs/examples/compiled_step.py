@@ -3,12 +3,14 @@
 
     python docs/examples/compiled_step.py
 
-The README shows lines of ``train`` verbatim; tests/test_compiled_step.py runs it and
-checks the losses and gradients against full-tensor math.
+The README shows the lines between the ``# --`` markers verbatim, a whole program but
+for its launch; tests/test_compiled_step.py runs ``train`` and checks the losses and the
+gradients against full-tensor math, as ``__main__`` does for a smaller check.
 """
 
 from __future__ import annotations
 
+# -- compiled step
 import torch
 
 from mimo_fx import Grid, Layout
@@ -16,24 +18,13 @@ from mimo_fx.compiled import Redistributor
 
 B, S, F, H = 4, 8, 3, 4  # samples, tokens per sample, image features, hidden
 
-
-def batch(step: int) -> torch.Tensor:
-    """A step's images, (B, S, F), the same on every rank."""
+def batch(step: int) -> torch.Tensor:                    # a step's images, on every rank
     return torch.randn(B, S, F, generator=torch.Generator().manual_seed(step))
 
-
-def weight() -> torch.Tensor:
-    """The encoder's (F, H) weight, the same on every rank."""
+def weight() -> torch.Tensor:                            # the encoder's weight
     return torch.randn(F, H, generator=torch.Generator().manual_seed(100))
 
-
-def images(step: int, rank: int) -> torch.Tensor | None:
-    """This rank's images: half the samples on an encoder rank, None on the others."""
-    return batch(step).tensor_split(2)[rank] if rank < 2 else None
-
-
 def train(rank: int, world: int, steps: int = 3, backend: str = "aot_eager"):  # world = 4
-    """``steps`` steps; this rank's losses and its weight gradient, summed over them."""
     w, losses = torch.nn.Parameter(weight()), []        # the "encoder"
     enc, llm = Grid(dp=2), Grid(cp=2, offset=2)          # encoder ranks 0-1, LLM ranks 2-3
     bridge = Redistributor(Layout(enc, "(dp b) s h"), Layout(llm, "b (cp s) h", zigzag="cp"),
@@ -44,15 +35,23 @@ def train(rank: int, world: int, steps: int = 3, backend: str = "aot_eager"):  #
         return y.square().sum()                          # 0 on encoder ranks: y is empty
 
     for k in range(steps):
-        loss = step(images(k, rank))
+        x = batch(k).tensor_split(2)[rank] if rank in enc else None
+        loss = step(x)
         loss.backward()                                  # the gradient crosses back
         losses.append(loss.detach())
     bridge.destroy()
     return losses, w.grad
+# --
 
 
 if __name__ == "__main__":
     from mimo_fx.testing import run_world
 
     results = run_world(4, train, timeout=600)
-    print({rank: [round(float(x), 4) for x in res[0]] for rank, res in enumerate(results)})
+    # the LLM ranks' losses add up to the full activations' sum of squares
+    want = [float(torch.tanh(batch(k) @ weight()).square().sum()) for k in range(3)]
+    got = [float(results[2][0][k] + results[3][0][k]) for k in range(3)]
+    ok = all(abs(g - w) <= 1e-4 * abs(w) for g, w in zip(got, want))
+    print(f"LLM losses {[round(g, 4) for g in got]}, full-tensor math "
+          f"{[round(w, 4) for w in want]}: {'ok' if ok else 'MISMATCH'}")
+    raise SystemExit(0 if ok else 1)
