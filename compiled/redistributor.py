@@ -133,6 +133,9 @@ class Redistributor:
         self._traced_handle = _traced_handle(self)
         # nothing to move either way: a call returns its input (a view of it)
         self._agreed: tuple | None = None  # the last size exchange: (this rank's row, rows)
+        # the last eager call with every size given: (its shape and sizes, the exchange it
+        # agreed on, the sizes) -- the same call again learns nothing and checks nothing new
+        self._given_last: tuple | None = None
         self._identity = (not self.free and not self.rows and self.sizing.fwd_program.identity
                           and self.sizing.bwd_program.identity)
 
@@ -320,7 +323,14 @@ class Redistributor:
         if len(self.union) == 1:
             return full, frozenset()
         if not missing and not self.rows and not torch.compiler.is_compiling():
+            key = (None if x is None else tuple(x.shape), tuple(full.items()))
+            last = self._given_last
+            if last is not None and last[0] == key and last[1] is self._agreed:
+                return dict(last[2]), frozenset()  # (the exchange would be skipped as agreed)
             self._check_given(x, full)
+            out = self._learn(x, full, layouts)
+            self._given_last = (key, self._agreed, out)
+            return out, frozenset()
         return self._learn(x, full, layouts), frozenset(missing)
 
     def _check_given(self, x, full: dict) -> None:
