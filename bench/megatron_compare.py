@@ -154,6 +154,11 @@ def _load_megatron(root: str) -> dict:
                 mod = types.ModuleType(pkg)
                 mod.__path__ = [os.path.join(root, *parts)]
                 sys.modules[pkg] = mod
+    import warnings
+
+    # Megatron's own notices, once per rank and case, would bury the progress lines
+    warnings.filterwarnings("ignore", message="absl.logging is not installed")
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor` is deprecated")
     return {name.rsplit(".", 1)[1]: importlib.import_module(name) for name in MODULES}
 
 
