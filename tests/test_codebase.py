@@ -146,3 +146,25 @@ def test_results_and_docs_carry_no_local_paths():
              for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
              if local.search(line)]
     assert not found, "local paths in published files:\n" + "\n".join(found)
+
+
+def test_the_structure_counter_counts_what_it_says(tmp_path):
+    """bench/structure.py's two counts, on code written to hold a known number of each."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("structure", ROOT / "bench" / "structure.py")
+    assert spec and spec.loader
+    structure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(structure)
+    code = tmp_path / "m.py"
+    code.write_text(
+        "import weakref\n__all__ = ['f']\n_A: dict = {}\n_B = weakref.WeakValueDictionary()\n"
+        "N = 3\nKINDS = (1, 2)\n"
+        "def f(x, bridge):\n"
+        "    if isinstance(x, (int, PackedLayout)):\n"
+        "        return 1\n"
+        "    y = 2 if bridge.rows else 3\n"
+        "    return is_row_layout(x) or isinstance(x, str)\n")
+    assert [name for _, name in structure.module_state(code)] == ["_A", "_B"]
+    assert [what for _, what in structure.row_cases(code)] == [
+        "isinstance(..., PackedLayout)", "condition on rows", "is_row_layout(...)"]

@@ -1,0 +1,139 @@
+"""Structure counts of the library, read from its syntax trees (no import, no run).
+
+    python bench/structure.py            # the counts, then each counted site
+
+Two counts, each a property of the code's structure rather than of one spelling:
+
+- **Module-level state**: names bound at a module's top level to a mutable container
+  (``{}``, ``[]``, ``set()``, ``dict()``, ``list()``, ``deque``, ``Counter``,
+  ``defaultdict``, ``OrderedDict``, ``WeakValueDictionary``, ``WeakKeyDictionary``,
+  ``WeakSet``, or a dict/list/set comprehension). Each is listed with its module, so a
+  reader can tell the kind tables (filled at import, never changed) from the registries a
+  bridge's state lives in.
+- **Row special cases outside the layout modules**: every place outside
+  ``mimo_fx/layout.py`` and ``mimo_fx/packed.py`` that asks which kind of layout, plan or
+  sizing it holds: an ``isinstance``/``issubclass`` whose class names a row kind
+  (``PackedLayout``, ``Selection``, ``RowPlan``, ``RowSizing``, ``RowRoute``), a call of
+  a predicate named ``is_row...``, and a read of a row-kind class (``RowPlan``,
+  ``RowSizing``) or of a bridge's ``.rows`` flag in a condition (``if``, ``while``,
+  conditional expression, ``and``/``or``/``not`` operand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARY = [ROOT / "mimo_fx", ROOT / "compiled", ROOT / "reference"]
+LAYOUT_MODULES = {"mimo_fx/layout.py", "mimo_fx/packed.py"}
+CONTAINERS = {"dict", "list", "set", "deque", "Counter", "defaultdict", "OrderedDict",
+              "WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}
+ROW_KINDS = {"PackedLayout", "Selection", "RowPlan", "RowSizing", "RowRoute"}
+
+
+def _files() -> list[Path]:
+    return sorted(p for folder in LIBRARY for p in folder.rglob("*.py")
+                  if "testing" not in p.parts and "jobs" not in p.parts)
+
+
+def _name(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Subscript):
+        return _name(node.value)
+    return ""
+
+
+def _mutable(value: ast.AST | None) -> bool:
+    if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp,
+                          ast.SetComp)):
+        return True
+    return isinstance(value, ast.Call) and _name(value.func) in CONTAINERS
+
+
+def module_state(path: Path) -> list[tuple[int, str]]:
+    """(line, name) of each module-level name bound to a mutable container (``__all__``
+    and other dunders aside)."""
+    out: list[tuple[int, str]] = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and _mutable(node.value):
+            out += [(node.lineno, _name(t)) for t in node.targets if _name(t)]
+        elif isinstance(node, ast.AnnAssign) and _mutable(node.value) and _name(node.target):
+            out.append((node.lineno, _name(node.target)))
+    return [(line, name) for line, name in out if not name.startswith("__")]
+
+
+def _conditions(tree: ast.AST) -> list[ast.AST]:
+    out: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)):
+            out.append(node.test)
+        elif isinstance(node, ast.BoolOp):
+            out += node.values
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            out.append(node.operand)
+        elif isinstance(node, ast.comprehension):
+            out += node.ifs
+    return out
+
+
+def row_cases(path: Path) -> list[tuple[int, str]]:
+    """(line, what) of each place that asks which kind of layout, plan or sizing it has."""
+    tree = ast.parse(path.read_text())
+    found: dict[tuple[int, int], str] = {}
+    inside: set[int] = set()  # nodes of a counted call (not counted again as a condition)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            fn = _name(node.func)
+            if fn in ("isinstance", "issubclass") and len(node.args) == 2:
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) \
+                    else [node.args[1]]
+                named = sorted({_name(k) for k in kinds} & ROW_KINDS)
+                if named:
+                    found[node.lineno, node.col_offset] = f"{fn}(..., {', '.join(named)})"
+                    inside |= {id(n) for n in ast.walk(node)}
+            elif fn.startswith("is_row"):
+                found[node.lineno, node.col_offset] = f"{fn}(...)"
+                inside |= {id(n) for n in ast.walk(node)}
+    for test in _conditions(tree):
+        for node in ast.walk(test):
+            if id(node) in inside or not isinstance(node, (ast.Name, ast.Attribute)):
+                continue
+            name = _name(node)
+            if name in ("RowPlan", "RowSizing") or (isinstance(node, ast.Attribute)
+                                                    and name == "rows"):
+                found.setdefault((node.lineno, node.col_offset), f"condition on {name}")
+    return sorted((line, what) for (line, _), what in found.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quiet", action="store_true", help="the counts only")
+    args = parser.parse_args(argv)
+    state, rows = [], []
+    for path in _files():
+        rel = path.relative_to(ROOT).as_posix()
+        state += [(rel, line, name) for line, name in module_state(path)]
+        if rel not in LAYOUT_MODULES:
+            rows += [(rel, line, what) for line, what in row_cases(path)]
+    print(f"module-level mutable state: {len(state)} names in "
+          f"{len({s[0] for s in state})} modules")
+    print(f"row special cases outside {', '.join(sorted(LAYOUT_MODULES))}: {len(rows)} in "
+          f"{len({r[0] for r in rows})} modules")
+    if not args.quiet:
+        print("\nmodule-level mutable state:")
+        for rel, line, name in state:
+            print(f"  {rel}:{line}  {name}")
+        print("\nrow special cases:")
+        for rel, line, what in rows:
+            print(f"  {rel}:{line}  {what}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
