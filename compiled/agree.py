@@ -54,7 +54,7 @@ def agree(name: str, fields: Mapping[str, str], what: str) -> None:
     rounds = f"{PREFIX}/{seq}/rounds"
     round_ = store.add(rounds, 0)
     base = f"{PREFIX}/{seq}/{round_}"
-    mine = json.dumps({"name": name, **fields})
+    mine = json.dumps({"name": repr(name), **fields})
     store.set(f"{base}/{rank}", mine)
     state = f"{base}/state"
     if store.add(f"{base}/count", 1) == n:
