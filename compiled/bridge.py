@@ -44,6 +44,7 @@ every bridge: building one creates process groups).
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -53,7 +54,7 @@ from mimo_fx.errors import MimoFxError
 
 from .comm import Comm
 from .executor import CompiledExecutor
-from .lease import Lease, keep_alive
+from .lease import Lease, keep_alive, release_later
 from .p2p import CHECKS, SIZES, Channel, Routed
 from .redistributor import Redistributor, placeholder
 from .timeouts import cause, wait_time
@@ -91,6 +92,8 @@ class Bridge(Redistributor):
                 comms = list(local)
             self._pipe = tuple(CompiledExecutor(c, self.executor.comm_dtype, name=self.name)
                                for c in comms)
+        # dropped without destroy(): its channels go with its other groups
+        weakref.finalize(self, _dropped, self._channel_lease, self._channels)
 
     # -- one direction ------------------------------------------------------------------
     def _gather_rows(self, direction: int, row: torch.Tensor, kind: int):
@@ -316,3 +319,16 @@ class Bridge(Redistributor):
             self._channel_lease.release(abandon=self._failed)
             self._channels = ()
         super().destroy()
+
+
+def _dropped(lease: Lease, channels: tuple[Channel, ...]) -> None:
+    """A bridge garbage-collected: its channels are released with its other groups at
+    the next safe point (abandoned, i.e. kept alive, if a send is still in flight:
+    destroying a channel waits for its receiver)."""
+    if lease.live:
+        sending = False
+        for channel in channels:
+            for work, buffer in channel.in_flight():
+                keep_alive((work, buffer), work.is_completed)
+                sending = sending or not work.is_completed()
+        release_later(lambda: lease.release(abandon=sending))

@@ -235,6 +235,12 @@ def _group(name: str) -> tuple[Any, bool, tuple[int, ...]]:
     return entry
 
 
+def forget(name: str) -> None:
+    """Forget a destroyed group (the cache would keep it, and its threads and sockets,
+    alive)."""
+    _BACKENDS.pop(name, None)
+
+
 def _messages_gather(name: str) -> bool:
     """Whether an all-gather on group ``name`` goes as messages: on gloo, whose
     all-gather is a ring through its worker thread (about 1.6x the messages' time on 8

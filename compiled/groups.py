@@ -30,6 +30,8 @@ import torch.distributed as dist
 from mimo_fx.errors import MimoFxError
 from mimo_fx.grid import mesh_groups
 
+from .comm import forget
+
 __all__ = ["acquire", "release", "group_name", "process_group", "live_groups", "world_token",
            "check_world", "CHECK", "created", "reused"]
 
@@ -151,6 +153,7 @@ def release(groups: Iterable[Ranks], tag: str = "", abandon: bool = False) -> No
                 keep_alive(pg)  # never destroyed: a peer may still take its messages
             elif pg is not dist.group.WORLD and _WORLD[0] is world_token() is not None:
                 if isinstance(pg, dist.ProcessGroup):  # not on non-members
+                    forget(pg.group_name)
                     dist.destroy_process_group(pg)
                 # referenced until the next group is created (see the module docstring)
                 _retired_done[0] = False

@@ -15,7 +15,7 @@ cancel a message under the peer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mimo_fx.errors import MimoFxError
 
@@ -23,9 +23,26 @@ from . import groups
 from .comm import FunctionalComm
 from .groups import _purge, keep_alive, require_world
 
-__all__ = ["Lease", "require_world", "keep_alive"]
+__all__ = ["Lease", "require_world", "keep_alive", "release_later", "release_dropped"]
 
 Ranks = tuple[int, ...]
+
+# releases of leases whose owner was garbage-collected without being destroyed: run at
+# the next lease's construction, not inside the collector (which may run in the middle
+# of creating another group, or of a collective)
+_DROPPED: list[Callable[[], None]] = []
+
+
+def release_later(release: Callable[[], None]) -> None:
+    """Run ``release`` (a dropped owner's) when the next lease is built."""
+    _DROPPED.append(release)
+
+
+def release_dropped() -> None:
+    """Release what dropped owners held (safe points only: not from a finalizer)."""
+    while _DROPPED:
+        _DROPPED.pop(0)()
+
 
 class Lease:
     """Process groups held by ``what`` (named in errors): ``data`` groups (tag ``""``,
@@ -36,6 +53,7 @@ class Lease:
                  tagged: Sequence[tuple[str, Ranks]] = ()) -> None:
         self.what = what
         self.rank = require_world(what)
+        release_dropped()
         self.data = tuple(dict.fromkeys(data))
         self.tagged = tuple(dict.fromkeys(tagged))
         before = groups.created(), groups.reused()

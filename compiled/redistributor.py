@@ -32,10 +32,11 @@ from mimo_fx.rows import is_row_layout
 from mimo_fx.vjp import apply
 
 from . import timeouts
+from .agree import agree
 from .executor import CompiledExecutor, Numbers
 from .groups import CHECK
 from .guard import HEADER_LEN, Guard, fingerprint, raise_now
-from .lease import Lease, require_world
+from .lease import Lease, release_later, require_world
 from .options import Options, require_compiler
 from .rows import RowSizing, key_of
 from .sizing import CACHED_SIZES, CALL_OPTIONS, Sizing, _size_key
@@ -95,6 +96,12 @@ class Redistributor:
         self.involved = self.rank in self.union
         self.device = opts.resolved_device()
         self.name, self._slot = _identity(src, dst, name)
+        if len(self.union) > 1:  # it creates groups: every rank must build it alike
+            try:
+                agree(self.name, self._definition(), "mimo_fx")
+            except MimoFxError:
+                _free_slot(self._slot)
+                raise
         # each direction on groups of its own, tagged by the bridge's identity; and a
         # check group over the union, shared, whether checked or not (so ranks that
         # disagree on checked= still create the same groups)
@@ -104,6 +111,9 @@ class Redistributor:
         checks = [(CHECK, self.union)] if len(self.union) > 1 else []
         self.lease = Lease(f"this bridge {src.describe()!r} -> {dst.describe()!r}",
                            (), tagged + checks)
+        # dropped without destroy(): its groups (and the threads and sockets they hold)
+        # are released when the next lease is built (see lease.release_later)
+        weakref.finalize(self, _dropped, self.lease, self.name)
         self._source_only = self.involved and not dst.holds(self.rank)
         timeouts.register(self.name, self._context().rstrip(": "), self._source_only)
         _BY_NAME[self.name] = self
@@ -181,6 +191,16 @@ class Redistributor:
         """Groups it took from the meshes its grids were made from, instead of creating
         them (they keep the mesh's timeout, and are shared with the mesh's users)."""
         return self.lease.reused
+
+    def _definition(self) -> dict[str, str]:
+        """What every rank must build this bridge with, field by field (canonical
+        strings): everything that decides its groups or what goes on the wire."""
+        o = self.options
+        return {"kind": type(self).__name__, "src": repr(key_of(self.src)),
+                "dst": repr(key_of(self.dst)),
+                "sizes": repr(dict(sorted(self.fixed.items()))), "dtype": str(o.dtype),
+                "comm_dtype": str(o.comm_dtype), "grad_partial": repr(o.grad_partial),
+                "checked": str(o.checked), "device": self.device.type}
 
     def _context(self) -> str:
         mode = "checked " if self.options.checked else ""
@@ -384,8 +404,7 @@ class Redistributor:
             ref = _TRACED.get(self.name)
             if ref is not None and ref() is self._traced_handle:
                 del _TRACED[self.name]
-            if self._slot is not None:
-                _LIVE[self._slot[0]].discard(self._slot[1])
+            _free_slot(self._slot)
 
 
 class Pending:
@@ -584,6 +603,20 @@ def _identity(src, dst, name: str | None) -> tuple[str, tuple | None]:
     k = next(i for i in range(len(taken) + 1) if i not in taken)
     taken.add(k)
     return f"{base} #{k}", (base, k)
+
+
+def _dropped(lease: Lease, name: str) -> None:
+    """A bridge garbage-collected: its groups go at the next safe point. (Its slot among
+    bridges described alike stays taken: ranks collect at different times, and a freed
+    slot would give the next bridge of those layouts another name on each rank.)"""
+    if lease.live:
+        release_later(lease.release)
+        SOURCE_ONLY.pop(name, None)
+
+
+def _free_slot(slot: tuple | None) -> None:
+    if slot is not None:
+        _LIVE[slot[0]].discard(slot[1])
 
 
 def _live(name: str) -> bool:

@@ -228,8 +228,8 @@ def _mixed(rank: int, world: int, out_dir: str) -> None:
             f.write(text)
 
     src, dst = Layout(Grid(dp=2), "(dp b) h"), Layout(Grid(dp=2), "b (dp h)")
-    bridge = Redistributor(src, dst, {"b": 4, "h": 4}, checked=rank == 0)
     try:
+        bridge = Redistributor(src, dst, {"b": 4, "h": 4}, checked=rank == 0)
         y = bridge(shard(_x({"b": 4, "h": 4}, "bh"), src)[rank])
         report(f"returned {y.tolist()}")
     except Exception as err:  # noqa: BLE001 - what each rank saw is the finding
@@ -241,11 +241,11 @@ def _mixed(rank: int, world: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_checked_and_unchecked_ranks_fail_instead_of_pairing_wrong_data(tmp_path):
-    """Rank 0 checks (its header exchange runs on the check group), rank 1 does not (its
-    data all-to-all runs on the data group): nothing pairs. Rank 0 times out with an
-    error that names the likely cause; when it leaves, rank 1's collective fails (an
-    exception, or gloo aborting the process; gloo may also abort rank 0 in its teardown).
-    Before the check had its own group, rank 1 returned garbage from rank 0's header."""
+    """Rank 0 builds the bridge checked, rank 1 unchecked: both raise when building it,
+    naming ``checked`` and which rank holds which (the ranks agree on every bridge's
+    definition before its groups exist). Before that, rank 0 timed out in its header
+    exchange while rank 1's data all-to-all failed or aborted; and before the check had
+    its own group, rank 1 returned garbage from rank 0's header."""
     os.environ["MIMO_FX_CHECK_TIMEOUT"] = "5"
     try:
         run_world(2, _mixed, str(tmp_path), timeout=120)
@@ -255,9 +255,9 @@ def test_checked_and_unchecked_ranks_fail_instead_of_pairing_wrong_data(tmp_path
     finally:
         del os.environ["MIMO_FX_CHECK_TIMEOUT"]
     said = {p.stem: p.read_text() for p in tmp_path.glob("*.txt")}
-    assert said.get("0", "").startswith("raised MimoFxError"), said
-    assert "checked=False" in said["0"]
-    assert not said.get("1", "").startswith("returned"), f"rank 1 {said['1']} instead of failing"
+    for rank in "01":
+        assert said.get(rank, "").startswith("raised MimoFxError"), said
+        assert "checked differs: True on rank 0, False on rank 1" in said[rank], said
 
 
 # -- arguments, validated identically on every rank (no world needed) ----------------------

@@ -474,6 +474,78 @@ def _destroyed(case: Case) -> dict:
     return case.attempt(lambda: f(x))
 
 
+# -- ranks that build a bridge differently, or not at all -----------------------------------
+SEQ = Layout(Grid(dp=4), "(dp b) s h")                                  # every rank
+CPDP = Layout(Grid(cp=2, dp=2), "(dp b) (cp s) h")                      # ... to CP2 x DP2
+LLM_REPLICATED = Layout(Grid(tp=2, offset=2), "b h")                    # whole on ranks 2-3
+
+
+def _definition_differs(what: str):
+    def run(case: Case) -> dict:
+        """One rank builds the bridge with another ``what`` than the others (the rest of
+        its definition alike): every rank raises when building it, before any data."""
+        rank = case.rank
+        src, dst, sizes, dtype, options = SRC, DST, dict(SIZES), torch.float32, {}
+        if what == "zigzag":  # rank 0's dst is zigzag over cp, the others' is not
+            src, sizes = SEQ, {"b": 4, "s": 8, "h": 2}
+            dst = Layout(CPDP.grid, CPDP.pattern, zigzag="cp" if rank == 0 else ())
+        elif what == "comm_dtype":
+            options["comm_dtype"] = torch.bfloat16 if rank == 1 else None
+        elif what == "comm_dtype_fp16":
+            options["comm_dtype"] = torch.float16 if rank == 1 else torch.bfloat16
+        elif what == "dtype":
+            dtype = torch.float64 if rank == 1 else torch.float32
+        elif what == "sizes":
+            sizes["h"] = 8 if rank == 1 else 4
+        elif what == "grad_partial":  # the LLM's rank 2 sums the cotangents over tp
+            src, dst = ENC, LLM_REPLICATED
+            options["grad_partial"] = ("tp",) if rank == 2 else ()
+
+        def go():
+            bridge = case.bridge(src, dst, sizes, dtype, **options)
+            X = _full(96, tuple(bridge.fixed[d] for d in src.dims), dtype)
+            y, want = bridge(shard(X, src).get(rank)), shard(X, dst).get(rank)
+            return torch.equal(y, want) if want is not None else y.numel() == 0
+        return case.attempt(go)
+    return run
+
+
+def _right(case: Case, name, seed: int) -> bool:
+    """Build a bridge SRC -> DST (``name``) and call it: whether it moved the data right."""
+    bridge = case.bridge(SRC, DST, SIZES, name=name)
+    X = _full(seed)
+    return torch.equal(bridge(shard(X, SRC)[case.rank]), shard(X, DST)[case.rank])
+
+
+def _never_builds(case: Case) -> dict:
+    """Rank 3 does not build a bridge the others build; then every rank builds it (the
+    same name) and another, and calls them."""
+    import torch.distributed as dist
+
+    name = f"{case.name}/skipped"
+    out = {"build": case.attempt(lambda: case.rank == 3 or case.bridge(SRC, DST, SIZES,
+                                                                         name=name))}
+    dist.barrier()  # (rank 3 must not build it before the others gave up)
+    out["after"] = case.attempt(lambda: _right(case, name, 97) and _right(case, None, 98))
+    return out
+
+
+def _destroyed_on_one_rank(case: Case) -> dict:
+    """Rank 0 destroys a bridge the others keep, then every rank builds another of the
+    same layouts (default names: rank 0 takes the freed ``#0``, the others ``#1``); then
+    every rank destroys the first and builds the layouts again, default-named and
+    named, and calls them."""
+    rank = case.rank
+    first = case.bridge(SRC, DST, SIZES, name=None)
+    if rank == 0:
+        first.destroy()
+    out = {"build": case.attempt(lambda: case.bridge(SRC, DST, SIZES, name=None))}
+    first.destroy()
+    out["after"] = case.attempt(lambda: _right(case, None, 99)
+                                and _right(case, f"{case.name}/renamed", 100))
+    return out
+
+
 CASES = {
     "grad_differs": _grad_differs,
     "skips_a_call": _skips_a_call,
@@ -502,6 +574,14 @@ CASES = {
     "destroyed": _destroyed,
     "bridge_sender_shape": _learned_bridge_sender("shape"),
     "bridge_sender_ndim": _learned_bridge_sender("ndim"),
+    "zigzag_differs": _definition_differs("zigzag"),
+    "comm_dtype_on_one_rank": _definition_differs("comm_dtype"),
+    "comm_dtype_fp16_bf16": _definition_differs("comm_dtype_fp16"),
+    "dtype_differs": _definition_differs("dtype"),
+    "sizes_differ": _definition_differs("sizes"),
+    "grad_partial_differs": _definition_differs("grad_partial"),
+    "never_builds": _never_builds,
+    "destroyed_on_one_rank": _destroyed_on_one_rank,
 }
 
 
@@ -523,6 +603,9 @@ EAGER = [*_both("grad_differs", "skips_a_call", "raises_before_backward",
          ("comm_float_on_int64", False), ("comm_float_on_complex", False),
          ("comm_bf16_on_float", False), ("comm_fp16_on_float", False),
          ("string_layouts", False),
+         *_both("zigzag_differs", "comm_dtype_on_one_rank", "comm_dtype_fp16_bf16",
+                "dtype_differs", "sizes_differ", "grad_partial_differs"),
+         ("never_builds", False), ("destroyed_on_one_rank", False),
          # last: a pipeline Bridge whose call failed keeps its channels alive
          # (destroying them would wait for receivers that never come)
          *_both("bridge_sender_shape", "bridge_sender_ndim")]
@@ -711,6 +794,39 @@ EAGER_EXPECT = {
     }.items()},
 }
 
+BUILT = "the ranks built bridge"
+BUILT_BEFORE = "so no process group was created and no data moved"
+for _checked in (False, True):
+    EAGER_EXPECT.update({(name, _checked): _found(BUILT, BUILT_BEFORE, *words, quiet=True)
+                         for name, words in {
+        "zigzag_differs": (
+            "dst differs: Layout(Grid(cp=2, dp=2), '(dp b) (cp s) h') on ranks [1, 2, 3], "
+            "Layout(Grid(cp=2, dp=2), '(dp b) (cp s) h', zigzag=('cp',)) on rank 0",),
+        "comm_dtype_on_one_rank": (
+            "comm_dtype differs: None on ranks [0, 2, 3], torch.bfloat16 on rank 1",),
+        "comm_dtype_fp16_bf16": ("comm_dtype differs: torch.bfloat16 on ranks [0, 2, 3], "
+                                 "torch.float16 on rank 1",),
+        "dtype_differs": (
+            "dtype differs: torch.float32 on ranks [0, 2, 3], torch.float64 on rank 1",),
+        "sizes_differ": ("sizes differs: {'b': 4, 'h': 4} on ranks [0, 2, 3], "
+                         "{'b': 4, 'h': 8} on rank 1",),
+        "grad_partial_differs": (
+            "grad_partial differs: () on ranks [0, 1, 3], ('tp',) on rank 2",),
+    }.items()})
+EAGER_EXPECT.update({
+    # ranks 0-2 wait for rank 3 the timeout, name it, and withdraw
+    ("never_builds", False, "build"): Expect(
+        (0, 1, 2), ("rank 3 did not build bridge 'never_builds/eager/False/skipped' "
+                    f"within {TIMEOUT:g} s", TIMED_OUT), quiet=ALL,
+        bound=TIMEOUT + 2 * TIMEOUT),
+    ("never_builds", False, "after"): Expect((), right=ALL),
+    ("destroyed_on_one_rank", False, "build"): _found(
+        "the ranks built a bridge differently", "name differs: "
+        "'(dp b) h -> b (dp h) #1' on ranks [1, 2, 3], '(dp b) h -> b (dp h) #0' on rank 0",
+        "destroying one the others keep", quiet=True),
+    ("destroyed_on_one_rank", False, "after"): Expect((), right=ALL),
+})
+
 
 def _traced(words: tuple[str, ...]) -> Expect:
     """Every rank made the same mistake: each raises the eager call's error while
@@ -791,6 +907,73 @@ def test_every_case_of_the_tables_has_an_expectation():
 def test_a_skipped_call_returns_no_wrong_data(eager, checked):
     for r, rec in enumerate(eager["skips_a_call", checked]):
         assert rec["error"] or rec["right"], f"rank {r} returned wrong data"
+
+
+# -- bridges dropped without destroy() ------------------------------------------------------
+DROPPED = 24
+
+
+def _drops(rank: int, world: int) -> dict:
+    """Build, call and drop ``DROPPED`` bridges without ``destroy()``, the ranks
+    collecting garbage at different times (rank 0 after every bridge, rank 1 after every
+    fifth, ranks 2-3 only at the end); then build one more and call it. The process
+    groups, threads and file descriptors held, before and after."""
+    import gc
+    import os
+
+    from mimo_fx.compiled import groups
+
+    def held() -> dict:
+        return {"groups": groups.live_groups(), "threads": len(os.listdir("/proc/self/task")),
+                "fds": len(os.listdir("/proc/self/fd"))}
+
+    case = Case(rank, "eager", False, "drops")
+
+    def right(k: int, destroy: bool = False) -> bool:
+        from mimo_fx.compiled import Redistributor
+
+        bridge = Redistributor(SRC, DST, SIZES)  # (default names: slots never reused)
+        X = _full(200 + k)
+        ok = torch.equal(bridge(shard(X, SRC)[rank]), shard(X, DST)[rank])
+        if destroy:
+            bridge.destroy()
+        return ok
+
+    try:
+        right(-1)  # one bridge built and dropped first: every thread a bridge uses exists
+        gc.collect()
+        out = {"one": dict(held()), "right": right(0)}
+        out["before"] = held()
+        for k in range(1, DROPPED + 1):
+            out["right"] &= right(k)
+            if rank == 0 or rank == 1 and k % 5 == 0:
+                gc.collect()
+        gc.collect()
+        out["last"] = case.attempt(lambda: right(DROPPED + 1))  # releases the dropped
+        out["after"] = held()
+        gc.collect()
+        right(DROPPED + 2, destroy=True)  # (the registry left empty for the next function)
+        return out
+    finally:
+        case.close()
+
+
+@SLOW
+def test_bridges_dropped_without_destroy_release_their_groups(worlds):
+    """Bridges garbage-collected without destroy() release their process groups (and the
+    threads and sockets gloo holds for them) at the next build, whenever each rank
+    collects; before, 50 dropped bridges held 100 groups, 300 threads and 700 fds per
+    rank."""
+    out = worlds.run(4, _drops, timeout=300, env=ENV, record=True)
+    for r, rec in enumerate(out):
+        assert rec["right"] and rec["last"]["right"] is True, (r, rec)
+        before, after = rec["before"], rec["after"]
+        # one live bridge's groups, and a few threads and descriptors of slack (a bridge
+        # used to keep 3 threads and 7 descriptors each)
+        assert after["groups"] <= before["groups"] + 3, (r, rec)
+        assert after["threads"] <= before["threads"] + 6, (r, rec)
+        assert after["fds"] <= before["fds"] + 14, (r, rec)
+        assert rec["last"]["seconds"] < TIMEOUT, (r, rec)
 
 
 # -- in this process: argument mistakes every rank makes alike ------------------------------
