@@ -25,24 +25,49 @@ __all__ = ["timeout_seconds", "wait_time", "cause", "ENV", "DEFAULT", "register"
 ENV = "MIMO_FX_TIMEOUT"
 LEGACY = "MIMO_FX_CHECK_TIMEOUT"  # the name of the check groups' timeout before it
 DEFAULT = 300.0
+# process groups count their timeout in whole milliseconds: a shorter one is no wait at
+# all (gloo reports "after 0ms")
+SHORTEST = 0.001
+# ``inf`` (or any longer wait) means no limit: the longest wait a group is given, about
+# 3 years (gloo adds its timeout, in nanoseconds, to the clock's now: 1e10 s overflows
+# int64 and every receive times out at once)
+LONGEST = 1e8
 
 
 def timeout_seconds() -> float:
-    """Seconds a bridge's collective waits for its peers (``MIMO_FX_TIMEOUT``)."""
+    """Seconds a bridge's collective waits for its peers (``MIMO_FX_TIMEOUT``): a
+    positive number, at least 0.001 (a millisecond); ``inf`` (or more than 1e8) is
+    no limit, a wait of 1e8 s (3 years).
+
+    >>> os.environ["MIMO_FX_TIMEOUT"] = "inf"; timeout_seconds()
+    100000000.0
+    >>> os.environ["MIMO_FX_TIMEOUT"] = "1e-9"; timeout_seconds()  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    mimo_fx.errors.MimoFxError: MIMO_FX_TIMEOUT='1e-9' is shorter than a millisecond, ...
+    >>> del os.environ["MIMO_FX_TIMEOUT"]
+    """
     name = ENV if ENV in os.environ else LEGACY if LEGACY in os.environ else None
     text = os.environ.get(name, str(DEFAULT)) if name else str(DEFAULT)
     try:
         seconds = float(text)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
-        raise MimoFxError(f"{name}={text!r} must be a positive number of seconds")
-    return seconds
+    if not seconds > 0:  # (nan included)
+        raise MimoFxError(f"{name}={text!r} must be a positive number of seconds (or "
+                          f"'inf' for no limit); unset it for the default {DEFAULT:g}")
+    if seconds < SHORTEST:
+        raise MimoFxError(f"{name}={text!r} is shorter than a millisecond, the shortest "
+                          f"wait a process group counts (it would time out at once); set "
+                          f"it to a number of seconds of at least {SHORTEST:g}, or 'inf' "
+                          f"for no limit")
+    return min(seconds, LONGEST)
 
 
 def wait_time() -> str:
     """The timeout, as a message states it."""
-    return f"{ENV}={timeout_seconds():g} s"
+    seconds = timeout_seconds()
+    return f"{ENV}={seconds:g} s" + (" (no limit)" if seconds >= LONGEST else "")
 
 
 def cause(err: BaseException) -> str:

@@ -275,9 +275,23 @@ def _layouts(src_mesh, src_placements, ndim: int, dst_mesh, dst_placements):
     """The layouts of a move of an ``ndim``-dim DTensor: DTensor's chunk rule on every
     sharded dim, so they hold for every shape (one bridge serves them all)."""
     shape = (1,) * ndim  # (the layouts do not depend on it: split is always chunk)
-    src, _ = layout_from_dtensor(src_mesh, src_placements, shape)
-    dst, _ = layout_from_dtensor(dst_mesh, dst_placements, shape)
+    dims = _free_dims(ndim, _mesh_parts(src_mesh, None)[1] + _mesh_parts(dst_mesh, None)[1])
+    src, _ = layout_from_dtensor(src_mesh, src_placements, shape, dims=dims)
+    dst, _ = layout_from_dtensor(dst_mesh, dst_placements, shape, dims=dims)
     return _chunked(src), _chunked(dst)
+
+
+def _free_dims(ndim: int, taken: Sequence) -> tuple[str, ...]:
+    """Tensor dim names ``d0, d1, ...``, or ``d_0, ...`` (and so on) where a mesh dim
+    already has one of them: the names of a move are the library's own choice.
+
+    >>> _free_dims(2, ("dp", "d0"))
+    ('d_0', 'd_1')
+    """
+    prefix = "d"
+    while any(f"{prefix}{i}" in taken for i in range(ndim)):
+        prefix += "_"
+    return tuple(f"{prefix}{i}" for i in range(ndim))
 
 
 def _chunked(layout: Layout) -> Layout:

@@ -1,0 +1,168 @@
+"""A new user's first day: each mistake is a clear error, each legitimate input works.
+
+In-process checks run in the fast subset; the multi-process ones share one spawned
+4-rank world (the ``worlds`` fixture) and compare with full-tensor math.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from mimo_fx import Grid, Layout, MimoFxError, plan
+from mimo_fx.reference import redistribute as reference_redistribute
+from mimo_fx.reference import shard
+
+ENC = Layout(Grid(dp=2), "(dp b) h")                    # ranks 0-1
+LLM = Layout(Grid(tp=2, offset=2), "b (tp h)")          # ranks 2-3
+SIZES = {"b": 4, "h": 4}
+
+
+def _full(dtype=torch.float32) -> torch.Tensor:
+    x = torch.arange(16.0).reshape(4, 4)
+    return torch.complex(x, -x).to(dtype) if dtype.is_complex else x.to(dtype)
+
+
+# -- 3. MIMO_FX_TIMEOUT ----------------------------------------------------------------------
+@pytest.mark.parametrize("text,seconds", [("inf", 1e8), ("1e20", 1e8), ("0.5", 0.5)])
+def test_timeout_inf_is_no_limit(monkeypatch, text, seconds):
+    from mimo_fx.compiled import groups, timeouts
+
+    monkeypatch.setenv("MIMO_FX_TIMEOUT", text)
+    assert timeouts.timeout_seconds() == seconds
+    assert groups._timeout("") == timedelta(seconds=seconds)  # no OverflowError
+    assert ("no limit" in timeouts.wait_time()) == (seconds == 1e8)
+
+
+@pytest.mark.parametrize("text", ["1e-9", "0.0001", "0", "-3", "nan", "soon"])
+def test_timeout_too_short_or_not_a_number(monkeypatch, text):
+    from mimo_fx.compiled import timeouts
+
+    monkeypatch.setenv("MIMO_FX_TIMEOUT", text)
+    with pytest.raises(MimoFxError) as err:
+        timeouts.timeout_seconds()
+    assert f"MIMO_FX_TIMEOUT={text!r}" in str(err.value) and "inf" in str(err.value)
+
+
+# -- 3. a mesh dim named like Grid's keyword --------------------------------------------------
+def test_mesh_dim_named_offset():
+    from mimo_fx.interop.dtensor import grid_from_mesh, layout_from_dtensor
+
+    for call in (lambda: grid_from_mesh([[0, 1], [2, 3]], ("offset", "tp")),
+                 lambda: layout_from_dtensor([[0, 1], [2, 3]], ["Shard(0)", "Replicate()"],
+                                             (4, 2), mesh_dim_names=("offset", "tp"))):
+        with pytest.raises(MimoFxError, match=r"mesh dim name 'offset' is reserved.*Rename"):
+            call()
+
+
+# -- 3. redistribute_dtensor's own dim names never clash with the mesh's -----------------------
+def test_dtensor_move_to_mesh_dim_d0():
+    from mimo_fx.interop.dtensor import _layouts
+
+    src = SimpleNamespace(mesh=torch.arange(2), mesh_dim_names=("dp",))
+    dst = SimpleNamespace(mesh=torch.arange(2, 4), mesh_dim_names=("d0",))
+    a, b = _layouts(src, ["Shard(0)"], 2, dst, ["Shard(1)"])
+    assert a.dims == b.dims == ("d_0", "d_1")
+    assert b.grid == Grid(d0=2, offset=2)
+    # the layouts move what DTensor's placements say
+    full = _full()
+    pieces = shard(full, a)
+    out = reference_redistribute(pieces, a, b)
+    assert torch.equal(out[2], full[:, :2]) and torch.equal(out[3], full[:, 2:])
+
+
+# -- 3. the reference backend on meta tensors ---------------------------------------------------
+@pytest.mark.parametrize("src,dst", [
+    (Layout(Grid(dp=2), "(dp b) h"), Layout(Grid(tp=2), "b (tp h)")),
+    (Layout(Grid(dp=2), "b h", partial=("dp",)), Layout(Grid(tp=2), "(tp b) h")),
+    (Layout(Grid(dp=2), "(dp b) h"), Layout(Grid(tp=2), "b h")),
+])
+def test_reference_on_meta(src, dst):
+    full = torch.empty(4, 6, device="meta", requires_grad=True)
+    out = reference_redistribute(shard(full, src), src, dst)
+    expected = shard(torch.zeros(4, 6), dst)
+    assert {r: (t.device.type, t.shape) for r, t in out.items()} == {
+        r: ("meta", t.shape) for r, t in expected.items()}
+    sum(t.sum() for t in out.values()).backward()
+    assert full.grad is not None and full.grad.shape == full.shape
+
+
+def test_reference_pieces_on_two_devices():
+    pieces = shard(_full(), ENC.__class__(Grid(dp=2), "(dp b) h"))
+    pieces[1] = torch.empty(pieces[1].shape, device="meta")
+    with pytest.raises(MimoFxError, match="several devices"):
+        reference_redistribute(pieces, Layout(Grid(dp=2), "(dp b) h"),
+                               Layout(Grid(tp=2), "b (tp h)"))
+
+
+# -- 3. sizes: numpy and torch integers, any key order ----------------------------------------
+def test_numpy_and_torch_integer_sizes():
+    src, dst = Layout(Grid(dp=2), "(dp b) h"), Layout(Grid(tp=2), "b (tp h)")
+    p = plan(src, dst, {"b": np.int64(4), "h": torch.tensor(4)})
+    assert p.sizes == (("b", 4), ("h", 4)) and all(type(n) is int for _, n in p.sizes)
+    full = _full()
+    out = reference_redistribute(shard(full, src), src, dst, b=np.int32(4), h=np.int64(4))
+    assert all(torch.equal(out[r], t) for r, t in shard(full, dst).items())
+    for bad in (np.float64(4.0), torch.tensor([4]), 4.0, True, np.int64(0)):
+        with pytest.raises(MimoFxError, match="must be a positive integer"):
+            plan(src, dst, {"b": bad, "h": 4})
+    ragged = Layout(Grid(dp=2), "(dp t) h", ragged="dp")
+    assert plan(ragged, Layout(Grid(dp=2), "t h"), {"t": [np.int64(3), 2], "h": 2}).sizes[0] \
+        == ("t", (3, 2))
+
+
+def test_sizes_key_order_is_one_call():
+    from mimo_fx.plan import size_arguments
+
+    src, dst = Layout(Grid(dp=2), "(dp b) s h"), Layout(Grid(tp=2), "b s (tp h)")
+    a = size_arguments(src, dst, {"h": 4, "b": 2}, {"s": 3}, "call", ())
+    b = size_arguments(src, dst, {"s": 3, "b": 2, "h": 4}, {}, "call", ())
+    assert list(a.items()) == list(b.items()) == [("b", 2), ("s", 3), ("h", 4)]
+
+
+# -- spawned: the same checks through the compiled backend -------------------------------------
+def _compiled_scenarios(rank: int, size: int) -> dict:
+    import mimo_fx
+    from mimo_fx.compiled import Redistributor, destroy
+
+    out: dict = {}
+    # MIMO_FX_TIMEOUT=inf: groups are created (no OverflowError) and the move is exact
+    os.environ["MIMO_FX_TIMEOUT"] = "inf"
+    for dtype in (torch.float32, torch.complex64):
+        full = _full(dtype)
+        bridge = Redistributor(ENC, LLM, SIZES, dtype)
+        x = shard(full, ENC).get(rank)
+        if x is not None:
+            x = x.clone().requires_grad_()
+        y = bridge(x)
+        ok = torch.equal(y, shard(full, LLM)[rank]) if rank >= 2 else y.numel() == 0
+        (y.abs() if dtype.is_complex else y).sum().backward()
+        if x is not None:  # d|z|/dz of every element, |z| summed: z/|z| (conjugated)
+            ok = ok and x.grad is not None and torch.allclose(
+                x.grad, shard(full / full.abs().clamp_min(1e-12), ENC)[rank]
+                if dtype.is_complex else torch.ones_like(x))
+        bridge.destroy()
+        out[str(dtype)] = ok
+    del os.environ["MIMO_FX_TIMEOUT"]
+    # checked calls whose sizes differ in key order and type by rank are one call
+    full = _full()
+    x = shard(full, ENC).get(rank)
+    sizes = {"h": np.int64(4), "b": 4} if rank % 2 else {"b": torch.tensor(4), "h": 4}
+    y = mimo_fx.redistribute(x, ENC, LLM, sizes=sizes, checked=True)
+    out["order"] = torch.equal(y, shard(full, LLM)[rank]) if rank >= 2 else y.numel() == 0
+    destroy()
+    return out
+
+
+@pytest.mark.slow
+def test_compiled_first_day(worlds):
+    start = time.monotonic()
+    results = worlds.run(4, _compiled_scenarios, timeout=600)
+    assert results == [{"torch.float32": True, "torch.complex64": True, "order": True}] * 4
+    assert time.monotonic() - start < 600
