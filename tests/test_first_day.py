@@ -166,3 +166,32 @@ def test_compiled_first_day(worlds):
     results = worlds.run(4, _compiled_scenarios, timeout=600)
     assert results == [{"torch.float32": True, "torch.complex64": True, "order": True}] * 4
     assert time.monotonic() - start < 600
+
+
+# -- 1. a packed layout's cp=/dp= name axes of its grid ---------------------------------------
+@pytest.mark.parametrize("kwargs,grid", [
+    ({"cp": "sp"}, Grid(cp=2, dp=2)), ({"dp": "data"}, Grid(cp=2, dp=2)),
+    ({"cp": "sp"}, Grid(tp=2)), ({"cp": "dp"}, Grid(cp=2, dp=2))])
+def test_packed_axis_the_grid_lacks(kwargs, grid):
+    from mimo_fx.packed import PackedLayout
+
+    lengths = [[3]] * (grid.axis_size("dp") if "dp" in grid.names else 1)
+    with pytest.raises(MimoFxError) as err:
+        PackedLayout(grid, "t h", lengths, **kwargs)
+    (what, name), = kwargs.items()
+    assert f"{what}={name!r}" in str(err.value)
+    if name not in grid.names:
+        assert f"not an axis of {grid!r} (its axes: {', '.join(grid.names)})" in str(err.value)
+
+
+def test_packed_axis_named_and_default():
+    from mimo_fx.packed import PackedLayout
+
+    # a cp axis named sp cuts each sequence as the default cp does
+    named = PackedLayout(Grid(sp=2, dp=2), "t h", [[3], [2, 1]], zigzag=False, cp="sp")
+    default = PackedLayout(Grid(cp=2, dp=2), "t h", [[3], [2, 1]], zigzag=False)
+    assert [named.rows(r).tolist() for r in range(4)] == \
+        [default.rows(r).tolist() for r in range(4)] == [[0, 1], [2, -1], [3, 5], [4, -1]]
+    # a grid without cp or dp axes and no names given: one group, no cut (as before)
+    whole = PackedLayout(Grid(tp=2), "t h", [[2, 1]], zigzag=False)
+    assert [whole.rows(r).tolist() for r in range(2)] == [[0, 1, 2]] * 2
