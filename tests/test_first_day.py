@@ -195,3 +195,25 @@ def test_packed_axis_named_and_default():
     # a grid without cp or dp axes and no names given: one group, no cut (as before)
     whole = PackedLayout(Grid(tp=2), "t h", [[2, 1]], zigzag=False)
     assert [whole.rows(r).tolist() for r in range(2)] == [[0, 1, 2]] * 2
+
+
+# -- 4. mimo_fx.interop.dtensor after `import mimo_fx` alone -----------------------------------
+def test_interop_dtensor_is_lazy():
+    import subprocess
+    import sys
+
+    code = ("import sys, mimo_fx; "
+            "before = [m for m in ('mimo_fx.interop.dtensor', 'torch.distributed.tensor') "
+            "if m in sys.modules]; "
+            "f = mimo_fx.interop.dtensor.prepare; "
+            "g = mimo_fx.interop.dtensor.redistribute_dtensor; "
+            "print(before, f.__module__, g is mimo_fx.redistribute_dtensor, "
+            "'dtensor' in dir(mimo_fx.interop))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]", "mimo_fx.interop.dtensor", "True", "True"]
+    import mimo_fx.interop
+
+    with pytest.raises(AttributeError, match="no attribute 'dtensr'"):
+        mimo_fx.interop.dtensr  # noqa: B018
