@@ -217,3 +217,26 @@ def test_interop_dtensor_is_lazy():
 
     with pytest.raises(AttributeError, match="no attribute 'dtensr'"):
         mimo_fx.interop.dtensr  # noqa: B018
+
+
+# -- 7. the main job's undistributed step converts no grad-requiring tensor to a float -------
+def test_main_job_reference_step_warns_nothing():
+    import warnings
+
+    from mimo_fx.jobs.e2e import _data, _undistributed_step
+    from mimo_fx.jobs.toy import ToyConfig, ToyMimo
+    from mimo_fx.mimo import ModuleParallelism as M
+
+    cfg = ToyConfig()
+    model = ToyMimo(cfg, M(dp=2).grid(), M(tp=2, offset=2).grid())
+    full = model.init_params(dtype=torch.float32)
+    x, t, text = _data(cfg, 1)
+    zero = {n: torch.zeros_like(p) for n, p in
+            ((n, shard(v, model.param_layouts[n]).get(2)) for n, v in full.items())
+            if p is not None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Consider using tensor.detach() first" raises
+        new, loss, diff = _undistributed_step(model, full, x, t, text, 0.1, zero, 2)
+        float(loss)
+    assert not loss.requires_grad and diff > 0
+    assert set(new) == set(full) and not any(v.requires_grad for v in new.values())
