@@ -354,10 +354,12 @@ def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=
     - on ranks of ``dst_mesh``: a DTensor on ``dst_mesh`` with ``dst_placements`` (its
       local tensor may be empty where DTensor's chunk rule leaves a shard empty);
     - on ranks of ``x``'s mesh only: an empty plain tensor (one dim per tensor dim),
-      linked to ``x`` by autograd. Its backward runs with the rank's others in
-      ``mimo_fx.backward()``, which every rank calls once per step (it is not a DTensor
-      because DTensor cannot backpropagate through the placeholder it keeps on ranks
-      outside its mesh);
+      linked to ``x`` by autograd. The rank must backpropagate through it, as the
+      others through their results: ``y.sum().backward()`` (docs/dtensor.md's
+      example), or ``mimo_fx.backward()`` (``mimo_fx.backward(loss)`` with a loss of
+      its own), which runs the backward of every bridge call whose result the rank
+      does not hold. It is not a DTensor because DTensor cannot backpropagate through
+      the placeholder it keeps on ranks outside its mesh;
     - on ranks outside both meshes: ``None``.
 
     The shape may change from call to call: one bridge (and under ``torch.compile`` one
