@@ -109,18 +109,24 @@ def calls(name: str, direction: str) -> int:
     return sum(n for s, n in _RAN.items() if s.startswith(f"{name}|{direction}|0|"))
 
 
-def failed(site_: str, kind, err: BaseException) -> MimoFxError:
+def failed(site_: str, kind, err: BaseException, peer: int | None = None) -> MimoFxError:
     """The error for a collective of ``site_`` whose wait failed: which bridge,
-    direction, call and group, the likely cause, and what this rank has run."""
+    direction, call and group, the likely cause, and what this rank has run; ``peer``:
+    the (global) rank at the other end of the failed message, where known."""
+    gone = any(m in str(err) for m in ("closed by peer", "reset by peer", "Broken pipe",
+                                       "Connection closed"))
     if not site_:
-        return MimoFxError(f"a mimo_fx {kind} failed ({cause(err)})")
+        return MimoFxError(f"a mimo_fx {kind} failed" + (
+            "" if peer is None else f" (rank {peer} left)" if gone else
+            f" waiting for rank {peer}") + f" ({cause(err)})")
     name, direction, _, ranks = site_.split("|")
     n = _RAN[site_] + 1
-    peer_gone = any(m in str(err) for m in ("closed by peer", "reset by peer", "Broken pipe"))
-    why = ("a rank of the group left (it raised, or its process ended)" if peer_gone else
+    why = ("a rank of the group left" + ("" if peer is None else f": rank {peer}") +
+           " (it raised, or its process ended: its own error says why)" if gone else
            "a rank skipped this call or the backward of an earlier one, or called another "
            "bridge first, or left; or requires_grad differs by rank (a rank whose input "
-           "does not require grad runs no backward)")
+           "does not require grad runs no backward)" +
+           ("" if peer is None else f"; this rank waited for rank {peer}'s message"))
     forward, backward = calls(name, "forward"), calls(name, "backward")
     if name in _SOURCE_ONLY and forward > backward:  # (its own state: peer gone or not)
         why += (f"; this rank holds no dst piece and ran {forward} forward but {backward} "

@@ -242,6 +242,43 @@ def test_main_job_reference_step_warns_nothing():
     assert set(new) == set(full) and not any(v.requires_grad for v in new.values())
 
 
+# -- 2. a rank that left is named ---------------------------------------------------------------
+def _rank_three_leaves(rank: int, size: int, out_dir: str) -> None:
+    from mimo_fx.compiled import Redistributor
+
+    bridge = Redistributor(ENC, LLM, SIZES)  # every group made, on every rank
+    if rank == 3:
+        os._exit(3)
+    x = shard(_full(), ENC).get(rank)
+    start = time.monotonic()
+    try:
+        for _ in range(3):  # (rank 2 may still return its first call: rank 3's sends are
+            bridge(x)       # not its own)
+        text = "returned"
+    except MimoFxError as err:
+        text = str(err)
+    with open(os.path.join(out_dir, f"{rank}.txt"), "w") as f:
+        f.write(f"{time.monotonic() - start:.3f}\n{text}")
+    os._exit(0)  # (its peers may be gone too: no teardown that waits for them)
+
+
+@pytest.mark.slow
+def test_the_rank_that_left_is_named(tmp_path):
+    from mimo_fx.testing import WorldError, run_world
+
+    with pytest.raises(WorldError, match="rank 3"):
+        run_world(4, _rank_three_leaves, str(tmp_path), timeout=300)
+    said = {r: (tmp_path / f"{r}.txt").read_text().split("\n", 1) for r in range(3)}
+    for r in (0, 1, 2):
+        seconds, text = said[r]
+        # ranks 0 and 1 send to rank 3; rank 2 exchanges with ranks 0 and 1 only, which
+        # leave once they have raised
+        left = (3,) if r < 2 else (0, 1)
+        assert any(f"a rank of the group left: rank {g} (it raised, or its process ended"
+                   in text for g in left), (r, text)
+        assert float(seconds) < 60, (r, seconds)
+
+
 # -- 8. the examples check themselves; the DTensor doc and docstring agree ------------------
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 
