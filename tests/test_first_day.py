@@ -311,3 +311,64 @@ def test_dtensor_backward_doc_agrees_with_docstring():
     doc = " ".join((redistribute_dtensor.__doc__ or "").split())
     for words in ("y.sum().backward()", "mimo_fx.backward()"):
         assert words in page and words in doc, words
+
+
+# -- 6. MIMO_FX_DEBUG=1 logs every call's sizes and bytes, every bridge kind ------------------
+def _debug_calls(rank: int, size: int) -> dict:
+    import logging
+
+    from mimo_fx.compiled import Redistributor
+
+    os.environ["MIMO_FX_DEBUG"] = "1"
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logging.getLogger("mimo_fx").addHandler(Keep())
+    ragged = Layout(Grid(dp=2), "(dp t) h", ragged="dp")
+    bridges = {"fixed": (Redistributor(ENC, LLM, SIZES), [{}]),
+               "free": (Redistributor(ENC, LLM, {"h": 4}), [{"b": 4}, {"b": 2}]),
+               "ragged": (Redistributor(ragged, Layout(Grid(tp=2, offset=2), "t h"),
+                                        {"h": 4}), [{"t": (3, 1)}, {"t": (0, 2)}])}
+    out = {}
+    for kind, (bridge, calls) in bridges.items():
+        lines.clear()
+        for sizes in calls:
+            src = bridge.src
+            n = sizes.get("t", (sizes.get("b", 4),) * 2)
+            x = torch.ones(n[rank] if "t" in sizes else n[0] // 2, 4) if rank < 2 else None
+            with torch.no_grad():
+                bridge(x, sizes if "t" in sizes or "b" in sizes else None)
+            del src
+        out[kind] = [line for line in lines if " call " in line]
+        bridge.destroy()
+    del os.environ["MIMO_FX_DEBUG"]
+    return out
+
+
+@pytest.mark.slow
+def test_debug_logs_every_call(worlds):
+    results = worlds.run(4, _debug_calls, timeout=600)
+    for rank, out in enumerate(results):
+        assert [len(out[k]) for k in ("fixed", "free", "ragged")] == [1, 2, 2], (rank, out)
+        assert "sizes b=4, h=4" in out["free"][0] and "sizes b=2, h=4" in out["free"][1]
+        assert "sizes t=[3, 1], h=4" in out["ragged"][0], out["ragged"]
+        assert "sizes t=[0, 2], h=4" in out["ragged"][1], out["ragged"]
+    import re
+
+    def moved(line: str) -> tuple[int, int]:
+        sent, got = re.search(r"forward sends (\d+) B, receives (\d+) B", line).groups()
+        return int(sent), int(got)
+
+    for kind, calls in (("fixed", 1), ("free", 2), ("ragged", 2)):
+        for k in range(calls):  # every byte sent is received
+            per_rank = [moved(out[kind][k]) for out in results]
+            assert sum(s for s, _ in per_rank) == sum(g for _, g in per_rank), per_rank
+    # the encoder ranks send each of their rows of 4 float32 once (3 and 1, then 0 and 2)
+    assert [moved(results[r]["ragged"][k])[0] for k in (0, 1) for r in (0, 1)] == \
+        [48, 16, 0, 32]
+    # the fixed bridge: rank 0 holds 2 rows x 4, sends 2 columns of them to each LLM rank
+    assert moved(results[0]["fixed"][0]) == (32, 0)
+    assert moved(results[2]["free"][1]) == (0, 16)  # b=2: 2 rows x 2 columns
