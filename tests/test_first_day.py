@@ -372,3 +372,24 @@ def test_debug_logs_every_call(worlds):
     # the fixed bridge: rank 0 holds 2 rows x 4, sends 2 columns of them to each LLM rank
     assert moved(results[0]["fixed"][0]) == (32, 0)
     assert moved(results[2]["free"][1]) == (0, 16)  # b=2: 2 rows x 2 columns
+
+
+# -- 6. run_world says how far it is when it takes a while ----------------------------------
+def _rank_one_is_slow(rank: int, size: int) -> int:
+    if rank == 1:
+        time.sleep(8)
+    return rank
+
+
+@pytest.mark.slow
+def test_run_world_prints_progress(capfd):
+    from mimo_fx.testing import launch, run_world
+
+    start = time.monotonic()
+    assert run_world(2, _rank_one_is_slow, timeout=300) == [0, 1]
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("[mimo_fx] 2-process")]
+    # after PROGRESS seconds: both started, rank 0 done, rank 1 running; then only changes
+    assert launch.PROGRESS < 8 and 1 <= len(lines) <= 2 and len(set(lines)) == len(lines), err
+    assert "2/2 ranks started, 1/2 done; running: ranks 1" in lines[0], lines
+    assert time.monotonic() - start < 300
