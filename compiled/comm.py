@@ -97,11 +97,7 @@ class Handle:
 
     def wait(self) -> torch.Tensor:
         works, self.works = self.works, []
-        try:
-            for work in works:
-                work.wait()
-        except RuntimeError as err:
-            raise timeouts.failed(self.site, self.kind, err) from None
+        wait_all(works, self.site, self.kind)
         if works:
             timeouts.ran(self.site)
         return self.out
@@ -284,8 +280,36 @@ def _post(kind: Collective, name: str, flat: torch.Tensor, out: torch.Tensor, se
 
         ops = [dist.P2POp(dist.isend, t, group=pg, group_peer=j) for j, t in sends]
         ops += [dist.P2POp(dist.irecv, t, group=pg, group_peer=j) for j, t in recvs]
-        return dist.batch_isend_irecv(ops) if ops else []
-    return [pg.send([t], j, 0) for j, t in sends] + [pg.recv([t], j, 0) for j, t in recvs]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if len(works) != len(ops):  # (one work for the batch: its peers are not known)
+            return works
+    else:
+        works = [pg.send([t], j, 0) for j, t in sends] + [pg.recv([t], j, 0)
+                                                          for j, t in recvs]
+    if len(PEERS) > 4096:  # (works never waited for: a failed call's)
+        PEERS.clear()
+    for work, (j, _) in zip(works, [*sends, *recvs]):
+        PEERS[id(work)] = members[j]
+    return works
+
+
+# a posted message's work -> the global rank at its other end, until it is waited for: a
+# failed wait names the rank that left (or never came)
+PEERS: dict[int, int] = {}
+
+
+def wait_all(works: list, site: str, kind: Collective | None) -> None:
+    """Wait for ``works``; a failed wait raised as :mod:`.timeouts` words it, naming
+    the rank at the other end of the failed message where known."""
+    for work in works:
+        try:
+            work.wait()
+        except RuntimeError as err:
+            peer = PEERS.get(id(work))
+            for w in works:
+                PEERS.pop(id(w), None)
+            raise timeouts.failed(site, kind, err, peer) from None
+        PEERS.pop(id(work), None)
 
 
 def _exchange_messages(flat: torch.Tensor, out_splits, in_splits, name: str
@@ -335,22 +359,14 @@ def _in_flight(out: torch.Tensor, works: list, sends: int, site: str,
     words it. The sends are waited for here: the op's input is the compiler's buffer,
     which it may reuse as soon as the op returns (every receive is posted already, so
     no two ranks wait for each other's sends)."""
-    try:
-        for work in works[:sends]:
-            work.wait()
-    except RuntimeError as err:
-        raise timeouts.failed(site, kind, err) from None
+    wait_all(works[:sends], site, kind)
     works = works[sends:]
     if not works:
         timeouts.ran(site)
         return out
 
     def wait(*_) -> bool:
-        try:
-            for work in works:
-                work.wait()
-        except RuntimeError as err:
-            raise timeouts.failed(site, kind, err) from None
+        wait_all(works, site, kind)
         timeouts.ran(site)
         return True
 

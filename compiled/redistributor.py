@@ -228,10 +228,32 @@ class Redistributor:
         layouts = self._layouts(src, dst)
         # a labelled span in profiler traces; entering one costs ~6 µs, so only when a
         # profiler is recording
+        if self.executor.count:  # MIMO_FX_DEBUG=1: this call's sizes and bytes
+            return self._logged(x, sizes, dim_sizes, layouts)
+        return self._spanned(x, sizes, dim_sizes, layouts)
+
+    def _spanned(self, x, sizes, dim_sizes: dict, layouts: dict) -> torch.Tensor | None:
         if not torch._C._autograd._profiler_enabled():
             return self._call(x, sizes, dim_sizes, layouts)
         with torch.profiler.record_function(self._label):
             return self._call(x, sizes, dim_sizes, layouts)
+
+    def _logged(self, x, sizes, dim_sizes: dict, layouts: dict) -> torch.Tensor | None:
+        """An eager call, logged at DEBUG: its sizes (given, learned or fixed) and the
+        bytes its forward sent and received on this rank."""
+        moved = self.executor.moved
+        moved[:] = [0, 0]
+        y = self._spanned(x, sizes, dim_sizes, layouts)
+        full = getattr(self, "_last_sizes", {})
+        shown = ", ".join(f"{d}={list(n) if isinstance(n, tuple) else n}"
+                          for d, n in sorted(full.items(), key=lambda kv: (
+                              kv[0] not in self.src.dims,
+                              self.src.dims.index(kv[0]) if kv[0] in self.src.dims else 0)))
+        n = timeouts.calls(self.name, "forward")
+        LOG.debug("rank %d: %s call %d: sizes %s; forward sends %s, receives %s", self.rank,
+                  self._label, n, shown or "none", format_bytes(moved[0]),
+                  format_bytes(moved[1]))
+        return y
 
     def _traced(self, x, sizes, dim_sizes: dict, src, dst) -> torch.Tensor | None:
         """The call under ``torch.compile``, on this bridge's handle in the registry
@@ -276,6 +298,8 @@ class Redistributor:
     def _call(self, x: torch.Tensor | None, sizes, dim_sizes,
               layouts: dict, post: bool = False) -> Any:
         full, learned = self._sizes(x, sizes, dim_sizes, layouts)
+        if self.executor.count and not torch.compiler.is_compiling():
+            self._last_sizes = full
         try:
             fwd, bwd, env, *inputs = self.sizing.programs(full, learned, x, **layouts)
         except MimoFxError as err:  # checked: every rank raises with it, none waits
@@ -640,6 +664,7 @@ def _log_plans(bridge: Redistributor) -> None:
         _debug_logging()
     if not LOG.isEnabledFor(logging.DEBUG):
         return
+    bridge.executor.count = True  # every call logs its sizes and bytes (Redistributor._logged)
     rank = bridge.rank
     LOG.debug("rank %d: %s: %d process group(s) created, %d taken from device meshes",
               rank, bridge._label, bridge.groups_created, bridge.groups_reused)

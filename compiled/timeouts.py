@@ -25,24 +25,49 @@ __all__ = ["timeout_seconds", "wait_time", "cause", "ENV", "DEFAULT", "register"
 ENV = "MIMO_FX_TIMEOUT"
 LEGACY = "MIMO_FX_CHECK_TIMEOUT"  # the name of the check groups' timeout before it
 DEFAULT = 300.0
+# process groups count their timeout in whole milliseconds: a shorter one is no wait at
+# all (gloo reports "after 0ms")
+SHORTEST = 0.001
+# ``inf`` (or any longer wait) means no limit: the longest wait a group is given, about
+# 3 years (gloo adds its timeout, in nanoseconds, to the clock's now: 1e10 s overflows
+# int64 and every receive times out at once)
+LONGEST = 1e8
 
 
 def timeout_seconds() -> float:
-    """Seconds a bridge's collective waits for its peers (``MIMO_FX_TIMEOUT``)."""
+    """Seconds a bridge's collective waits for its peers (``MIMO_FX_TIMEOUT``): a
+    positive number, at least 0.001 (a millisecond); ``inf`` (or more than 1e8) is
+    no limit, a wait of 1e8 s (3 years).
+
+    >>> os.environ["MIMO_FX_TIMEOUT"] = "inf"; timeout_seconds()
+    100000000.0
+    >>> os.environ["MIMO_FX_TIMEOUT"] = "1e-9"; timeout_seconds()  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    mimo_fx.errors.MimoFxError: MIMO_FX_TIMEOUT='1e-9' is shorter than a millisecond, ...
+    >>> del os.environ["MIMO_FX_TIMEOUT"]
+    """
     name = ENV if ENV in os.environ else LEGACY if LEGACY in os.environ else None
     text = os.environ.get(name, str(DEFAULT)) if name else str(DEFAULT)
     try:
         seconds = float(text)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
-        raise MimoFxError(f"{name}={text!r} must be a positive number of seconds")
-    return seconds
+    if not seconds > 0:  # (nan included)
+        raise MimoFxError(f"{name}={text!r} must be a positive number of seconds (or "
+                          f"'inf' for no limit); unset it for the default {DEFAULT:g}")
+    if seconds < SHORTEST:
+        raise MimoFxError(f"{name}={text!r} is shorter than a millisecond, the shortest "
+                          f"wait a process group counts (it would time out at once); set "
+                          f"it to a number of seconds of at least {SHORTEST:g}, or 'inf' "
+                          f"for no limit")
+    return min(seconds, LONGEST)
 
 
 def wait_time() -> str:
     """The timeout, as a message states it."""
-    return f"{ENV}={timeout_seconds():g} s"
+    seconds = timeout_seconds()
+    return f"{ENV}={seconds:g} s" + (" (no limit)" if seconds >= LONGEST else "")
 
 
 def cause(err: BaseException) -> str:
@@ -84,18 +109,24 @@ def calls(name: str, direction: str) -> int:
     return sum(n for s, n in _RAN.items() if s.startswith(f"{name}|{direction}|0|"))
 
 
-def failed(site_: str, kind, err: BaseException) -> MimoFxError:
+def failed(site_: str, kind, err: BaseException, peer: int | None = None) -> MimoFxError:
     """The error for a collective of ``site_`` whose wait failed: which bridge,
-    direction, call and group, the likely cause, and what this rank has run."""
+    direction, call and group, the likely cause, and what this rank has run; ``peer``:
+    the (global) rank at the other end of the failed message, where known."""
+    gone = any(m in str(err) for m in ("closed by peer", "reset by peer", "Broken pipe",
+                                       "Connection closed"))
     if not site_:
-        return MimoFxError(f"a mimo_fx {kind} failed ({cause(err)})")
+        return MimoFxError(f"a mimo_fx {kind} failed" + (
+            "" if peer is None else f" (rank {peer} left)" if gone else
+            f" waiting for rank {peer}") + f" ({cause(err)})")
     name, direction, _, ranks = site_.split("|")
     n = _RAN[site_] + 1
-    peer_gone = any(m in str(err) for m in ("closed by peer", "reset by peer", "Broken pipe"))
-    why = ("a rank of the group left (it raised, or its process ended)" if peer_gone else
+    why = ("a rank of the group left" + ("" if peer is None else f": rank {peer}") +
+           " (it raised, or its process ended: its own error says why)" if gone else
            "a rank skipped this call or the backward of an earlier one, or called another "
            "bridge first, or left; or requires_grad differs by rank (a rank whose input "
-           "does not require grad runs no backward)")
+           "does not require grad runs no backward)" +
+           ("" if peer is None else f"; this rank waited for rank {peer}'s message"))
     forward, backward = calls(name, "forward"), calls(name, "backward")
     if name in _SOURCE_ONLY and forward > backward:  # (its own state: peer gone or not)
         why += (f"; this rank holds no dst piece and ran {forward} forward but {backward} "

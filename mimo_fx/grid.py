@@ -202,7 +202,21 @@ class Grid:
 
 
 def _make_grid(names, sizes, offset) -> Grid:
+    _check_names(names, "axis")
     return Grid(offset=offset, **dict(zip(names, sizes)))
+
+
+RESERVED = ("offset",)  # Grid's own keyword arguments: no axis takes their names
+
+
+def _check_names(names: Sequence[str], what: str) -> None:
+    """A clear error for an axis (or mesh dim) named after one of Grid's keywords."""
+    for name in names:
+        if name in RESERVED:
+            raise MimoFxError(
+                f"{what} name {name!r} is reserved: Grid({name}=...) is Grid's keyword for "
+                f"the grid's first rank, not an axis. Rename the {what} (e.g. "
+                f"{name + '_'!r} or 'dp_shard') and name it so in the layouts' patterns")
 
 
 def _mixed_radix_offsets(sizes: list[int], strides: list[int]) -> list[int]:
@@ -242,6 +256,7 @@ def _mesh_parts(mesh, mesh_dim_names) -> tuple[torch.Tensor, tuple[str, ...]]:
                               f"grid axes after mesh dims (rename it, e.g. 'dp_shard')")
     if len(set(names)) != len(names):
         raise MimoFxError(f"mesh dim names {names} repeat a name")
+    _check_names(names, "mesh dim")
     return ranks, names
 
 
@@ -302,6 +317,7 @@ def _grid(ranks: torch.Tensor, names: tuple[str, ...]) -> Grid:
     for i in order:  # a bijective affine map onto a range is mixed radix
         assert strides[i] is None or strides[i] == acc, (where, strides)
         acc *= shape[i]
+    _check_names(names, "mesh dim")
     return Grid(offset=offset, **{names[i]: shape[i] for i in order})
 
 

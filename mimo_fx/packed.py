@@ -357,6 +357,38 @@ def _check_image_positions(packing: Packing, image_positions: object) -> torch.T
 
 
 # -- packed layouts over a grid -----------------------------------------------------------
+def _axis_names(grid, cp: str | None, dp: str | None) -> tuple[str, str]:
+    """The cp and dp axis names: a name given must be an axis of ``grid`` (else every
+    rank would silently hold every row); left out, ``"cp"`` and ``"dp"``, which a grid
+    may lack (one group, no cut).
+
+    >>> _axis_names(Grid(sp=2, dp=2), "sp", None)
+    ('sp', 'dp')
+    >>> _axis_names(Grid(cp=2, dp=2), "sp", None)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    mimo_fx.errors.MimoFxError: PackedLayout cp='sp' is not an axis of Grid(cp=2, dp=2) ...
+    """
+    if isinstance(grid, Grid):
+        for what, name, default in (("cp", cp, "cp"), ("dp", dp, "dp")):
+            role = ("cuts each packed sequence" if what == "cp" else
+                    "splits the batch into groups")
+            if name is not None and (not isinstance(name, str) or name not in grid.names):
+                names = [a for a in grid.names if a != (dp if what == "cp" else cp)]
+                raise MimoFxError(
+                    f"PackedLayout {what}={name!r} is not an axis of {grid!r} (its axes: "
+                    f"{', '.join(grid.names)}); name the axis that {role}"
+                    + (f" ({what}={names[0]!r})" if names else "")
+                    + f", or leave {what} out for the default {default!r} (no "
+                    + ("cut" if what == "cp" else "split")
+                    + " where the grid has no such axis)")
+    cp, dp = cp or "cp", dp or "dp"
+    if cp == dp:
+        raise MimoFxError(f"PackedLayout cp={cp!r} and dp={dp!r} name the same axis; the "
+                          f"sequence's cut and the batch's groups are different axes")
+    return cp, dp
+
+
 @constant
 @dataclass(frozen=True)
 class PackedStructure:
@@ -405,7 +437,11 @@ class PackedLayout:
     data: torch.Tensor              # the batch as one int64 vector (see from_data)
 
     def __init__(self, grid, pattern: str, lengths: Sequence[Sequence[int]],
-                 zigzag: bool = True, *, cp: str = "cp", dp: str = "dp") -> None:
+                 zigzag: bool = True, *, cp: str | None = None,
+                 dp: str | None = None) -> None:
+        if is_mesh(grid):  # a DeviceMesh: its grid (see Grid.from_mesh)
+            grid = Grid.from_mesh(grid)
+        cp, dp = _axis_names(grid, cp, dp)
         self._build(grid, pattern, lengths, zigzag, cp, dp, None)
 
     def _build(self, grid, pattern, lengths, zigzag, cp, dp, tokens) -> None:

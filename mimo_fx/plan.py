@@ -39,6 +39,7 @@ True
 from __future__ import annotations
 
 import gc
+import operator
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
@@ -47,6 +48,8 @@ from dataclasses import dataclass, field, replace
 from functools import cache, cached_property, lru_cache
 from math import prod
 from typing import Any, ClassVar
+
+import torch
 
 from .collective import Collective
 from .errors import MimoFxError
@@ -667,9 +670,10 @@ def size_arguments(src: Layout, dst: Layout, sizes, dim_sizes: dict, where: str,
             f"{', '.join(options)}); size keywords name dims only (a dim named like an "
             f"option goes in sizes={{...}})")
     ragged = set(src.ragged_dims) | set(dst.ragged_dims)
-    for d, n in merged.items():
-        _check_size(d, n, d in ragged, f"{where}: ")
-    return merged
+    # in the layouts' dim order, whatever order they were given in (two ranks giving the
+    # same sizes in another order make the same call), numpy and torch integers as ints
+    return {d: _check_size(d, merged[d], d in ragged, f"{where}: ")
+            for d in dims if d in merged}
 
 
 def _symbolic(n) -> bool:
@@ -677,28 +681,50 @@ def _symbolic(n) -> bool:
     return type(n).__name__ == "SymInt"
 
 
-def _check_size(dim: str, n, ragged: bool = False, prefix: str = "") -> None:
-    """A size is a positive int; a ragged dim's is its counts (non-negative ints)."""
+def _as_int(n):
+    """``n`` as an ``int`` where it is an integer scalar of another type (a numpy or a
+    0-dim torch integer: ``operator.index`` takes it); anything else as it is."""
+    if isinstance(n, int) or isinstance(n, bool) or _symbolic(n):
+        return n
+    if isinstance(n, torch.Tensor) and (n.dim() != 0 or n.is_floating_point()):
+        return n
+    try:
+        return operator.index(n)
+    except TypeError:
+        return n
+
+
+def _check_size(dim: str, n, ragged: bool = False, prefix: str = ""):
+    """A size is a positive int; a ragged dim's is its counts (non-negative ints). The
+    size, numpy or torch integer scalars as ints (a ragged dim's counts a tuple).
+
+    >>> import numpy as np; _check_size("b", np.int64(4)), _check_size("t", [np.int32(2), 0], True)
+    (4, (2, 0))
+    """
     if isinstance(n, list):
         n = tuple(n)
     if _symbolic(n):
-        return
+        return n
     from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
 
     if ragged:
+        if isinstance(n, tuple):
+            n = tuple(_as_int(c) for c in n)
         # (a traced count that may be anything passes: a run-time check covers it)
         if isinstance(n, tuple) and n and all(
                 _symbolic(c) or (not isinstance(c, bool) and isinstance(c, int)
                                  and guard_or_true(c >= 0))
                 for c in n):
-            return
+            return n
         what = "a tuple" if not isinstance(n, tuple) else "a non-empty tuple"
         raise MimoFxError(f"{prefix}dim {dim!r} is cut ragged, so its size is a tuple of "
                           f"counts: {dim}={n!r} must be {what} of non-negative integers "
                           f"(one per ragged shard, or per segment)")
+    n = _as_int(n)
     if isinstance(n, bool) or not isinstance(n, int) or guard_or_false(n <= 0):
         raise MimoFxError(f"{prefix}size {dim}={n!r} must be a positive integer (the global "
                           f"size)")
+    return n
 
 
 def check_sizes(src: Layout, dst: Layout,
@@ -720,8 +746,7 @@ def check_sizes(src: Layout, dst: Layout,
         raise MimoFxError(f"sizes miss dims {missing} of {src.pattern!r}; pass the global "
                           f"size of every dim, e.g. {missing[0]}=...")
     ragged = set(src.ragged_dims) | set(dst.ragged_dims)
-    for d in src.dims:
-        _check_size(d, sizes[d], d in ragged)
+    checked = {d: _check_size(d, sizes[d], d in ragged) for d in src.dims}
     if dst.partial:
         if dst.grid != src.grid or not set(dst.partial) <= set(src.partial):
             raise MimoFxError(
@@ -729,8 +754,7 @@ def check_sizes(src: Layout, dst: Layout,
                 f"only keep partial axes that src {src.describe()!r} already has, on the same "
                 f"grid. Make dst replicated (the values are then summed) instead"
             )
-    return tuple((d, tuple(sizes[d]) if d in ragged else sizes[d])  # type: ignore[arg-type]
-                 for d in src.dims)
+    return tuple((d, checked[d]) for d in src.dims)
 
 
 # -- what every rank's part of a plan derives from ------------------------------------------

@@ -46,8 +46,8 @@ class ReferenceExecutor:
                             for box in product(*segments)]
         for step in plan.steps:
             self._apply(step, stores)
-        dtype = tensors[0].dtype
-        return tuple(self._assemble(plan, rank, stores.get(rank, []), dtype)
+        dtype, device = tensors[0].dtype, tensors[0].device
+        return tuple(self._assemble(plan, rank, stores.get(rank, []), dtype, device)
                      for rank in plan.dst.holders)
 
     @staticmethod
@@ -75,8 +75,11 @@ class ReferenceExecutor:
             stores.setdefault(rank, []).extend(pieces)
 
     @staticmethod
-    def _assemble(plan: Plan, rank: int, store: Store, dtype: torch.dtype) -> torch.Tensor:
-        out = assemble(store, plan.need.segments(rank), dtype, "cpu", check=True)
+    def _assemble(plan: Plan, rank: int, store: Store, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+        # on the pieces' device: CPU, or ``meta`` for shapes only (every rank in one
+        # process shares one device)
+        out = assemble(store, plan.need.segments(rank), dtype, device, check=True)
         return from_canonical(out, plan.dst, plan.dims)
 
 
@@ -107,6 +110,11 @@ def redistribute(
     if len(dtypes) != 1:
         raise MimoFxError(f"redistribute: pieces have mixed dtypes {sorted(map(str, dtypes))}")
     dtype = dtypes.pop()
+    devices = {t.device for t in pieces.values()}
+    if len(devices) != 1:
+        raise MimoFxError(f"redistribute: pieces are on several devices "
+                          f"{sorted(map(str, devices))}; the reference backend runs every "
+                          f"rank in one process: move them to one device (e.g. .cpu())")
     full = infer_sizes(src, {r: tuple(pieces[r].shape) for r in holders}, given)
     fwd = plan(src, dst, full, dtype)
     bwd = backward_plan(src, dst, full, dtype, grad_partial)

@@ -275,9 +275,23 @@ def _layouts(src_mesh, src_placements, ndim: int, dst_mesh, dst_placements):
     """The layouts of a move of an ``ndim``-dim DTensor: DTensor's chunk rule on every
     sharded dim, so they hold for every shape (one bridge serves them all)."""
     shape = (1,) * ndim  # (the layouts do not depend on it: split is always chunk)
-    src, _ = layout_from_dtensor(src_mesh, src_placements, shape)
-    dst, _ = layout_from_dtensor(dst_mesh, dst_placements, shape)
+    dims = _free_dims(ndim, _mesh_parts(src_mesh, None)[1] + _mesh_parts(dst_mesh, None)[1])
+    src, _ = layout_from_dtensor(src_mesh, src_placements, shape, dims=dims)
+    dst, _ = layout_from_dtensor(dst_mesh, dst_placements, shape, dims=dims)
     return _chunked(src), _chunked(dst)
+
+
+def _free_dims(ndim: int, taken: Sequence) -> tuple[str, ...]:
+    """Tensor dim names ``d0, d1, ...``, or ``d_0, ...`` (and so on) where a mesh dim
+    already has one of them: the names of a move are the library's own choice.
+
+    >>> _free_dims(2, ("dp", "d0"))
+    ('d_0', 'd_1')
+    """
+    prefix = "d"
+    while any(f"{prefix}{i}" in taken for i in range(ndim)):
+        prefix += "_"
+    return tuple(f"{prefix}{i}" for i in range(ndim))
 
 
 def _chunked(layout: Layout) -> Layout:
@@ -340,10 +354,12 @@ def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=
     - on ranks of ``dst_mesh``: a DTensor on ``dst_mesh`` with ``dst_placements`` (its
       local tensor may be empty where DTensor's chunk rule leaves a shard empty);
     - on ranks of ``x``'s mesh only: an empty plain tensor (one dim per tensor dim),
-      linked to ``x`` by autograd. Its backward runs with the rank's others in
-      ``mimo_fx.backward()``, which every rank calls once per step (it is not a DTensor
-      because DTensor cannot backpropagate through the placeholder it keeps on ranks
-      outside its mesh);
+      linked to ``x`` by autograd. The rank must backpropagate through it, as the
+      others through their results: ``y.sum().backward()`` (docs/dtensor.md's
+      example), or ``mimo_fx.backward()`` (``mimo_fx.backward(loss)`` with a loss of
+      its own), which runs the backward of every bridge call whose result the rank
+      does not hold. It is not a DTensor because DTensor cannot backpropagate through
+      the placeholder it keeps on ranks outside its mesh;
     - on ranks outside both meshes: ``None``.
 
     The shape may change from call to call: one bridge (and under ``torch.compile`` one

@@ -269,7 +269,8 @@ def _undistributed_step(model: ToyMimo, full: dict, x, t, text, lr: float, g: di
     layouts = model.param_layouts
     grad_diff = max(float((g[n] - shard(leaves[n].grad, layouts[n])[rank]).abs().max())
                     for n in g)
-    return {n: (v - lr * leaves[n].grad).detach() for n, v in full.items()}, ref_loss, grad_diff
+    return ({n: (v - lr * leaves[n].grad).detach() for n, v in full.items()}, ref_loss.detach(),
+            grad_diff)
 
 
 def train_worker(rank: int, world_size: int, runs: list[Run]) -> list[dict]:

@@ -18,6 +18,11 @@ from .worlds import World, WorldError
 __all__ = ["WorldError", "run_world"]
 
 
+# seconds after which a run says on stderr how many ranks started and finished (and
+# again as that changes): a long run is not silent until every rank returns
+PROGRESS = 5.0
+
+
 def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
               backend: str = "gloo", threads: int = 1, record: bool = False) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; results by rank.
@@ -26,7 +31,9 @@ def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 3
     runs with ``threads`` intra-op threads (1 by default: many ranks share few cores).
     With ``record`` every process keeps a Flight Recorder of its collectives
     (:mod:`mimo_fx.compiled.trace`). The world is spawned for this one call and gone when
-    it returns; ``timeout`` covers the spawn.
+    it returns; ``timeout`` covers the spawn. A run longer than :data:`PROGRESS`
+    seconds prints to stderr how many ranks have started and finished, as that changes.
     """
-    with World(world, backend=backend, threads=threads, record=record, reuse=False) as w:
+    with World(world, backend=backend, threads=threads, record=record, reuse=False,
+               progress=PROGRESS) as w:
         return w.run(fn, *args, timeout=timeout)

@@ -128,6 +128,7 @@ def _serve_one(rank: int, size: int, conn: Connection, baseline: _Baseline | Non
     except EOFError:  # the parent closed the world (or is gone)
         return False
     fn, args = pickle.loads(payload)
+    _send(conn, ("started",))
     result = fn(rank, size, *args)
     _send(conn, ("done",))
     if not dist.is_initialized():  # fn tore its world down itself
@@ -317,10 +318,13 @@ class World:
 
     def __init__(self, size: int, *, backend: str = "gloo", threads: int = 1,
                  record: bool = False, env: Mapping[str, str] | None = None,
-                 reuse: bool = True) -> None:
+                 reuse: bool = True, progress: float | None = None) -> None:
         if size < 1:
             raise MimoFxError(f"world={size}: need at least one process")
         self.size, self.backend, self.threads, self.reuse = size, backend, threads, reuse
+        # a run that takes longer than this many seconds says on stderr how many ranks
+        # have started and finished its function, and again as that changes (None: never)
+        self.progress = progress
         self.env = {**(env or {}), **({FR_ENV: FR_ENTRIES} if record else {})}
         self.spawns = 0   # how many times this world was spawned
         self.runs = 0     # functions run to completion
@@ -392,7 +396,9 @@ class World:
                 message = pickle.loads(conn.recv_bytes())
             except (EOFError, ConnectionResetError):
                 break
-            if message[0] == "done":
+            if message[0] == "started":
+                state["started"].add(rank)
+            elif message[0] == "done":
                 state["done"].add(rank)
             elif message[0] == "ok":
                 state["results"][rank] = message[1]
@@ -410,14 +416,21 @@ class World:
 
     def _collect(self, deadline: float, timeout: float) -> tuple[list, str]:
         state: dict = {"pending": set(range(self.size)), "done": set(), "errors": [],
-                       "died": {}, "results": [None] * self.size, "why": ""}
+                       "died": {}, "results": [None] * self.size, "why": "",
+                       "started": set()}
         give_up = deadline
+        begun = time.monotonic()
+        report = begun + self.progress if self.progress is not None else float("inf")
+        said = ""
         while state["pending"] and time.monotonic() < give_up:
             ranks = sorted(state["pending"])
             wait([self._conns[r] for r in ranks] + [self._processes[r].sentinel for r in ranks],
-                 timeout=max(0.0, give_up - time.monotonic()))
+                 timeout=max(0.0, min(give_up, report) - time.monotonic()))
             for rank in ranks:
                 self._read(rank, state)
+            if time.monotonic() >= report and state["pending"]:
+                said = self._progress(state, time.monotonic() - begun, said)
+                report = time.monotonic() + 1.0  # (printed again only when it changes)
             if (state["errors"] or state["died"]) and give_up == deadline:
                 give_up = min(deadline, time.monotonic() + GRACE)
         pending = sorted(state["pending"])
@@ -430,10 +443,28 @@ class World:
                              + _where_stuck(self._processes, stuck, self._dir))
         return state["results"], state["why"]
 
+    def _progress(self, state: dict, seconds: float, said: str) -> str:
+        """Print to stderr how far the run is, unless it is what was ``said`` last."""
+        finished = set(range(self.size)) - state["pending"] | state["done"]
+        running = sorted(state["started"] - finished)
+        waiting = sorted(set(range(self.size)) - state["started"] - finished)
+        line = (f"{len(state['started'] | finished)}/{self.size} ranks started, "
+                f"{len(finished)}/{self.size} done"
+                + (f"; running: ranks {_ranks(running)}" if running else "")
+                + (f"; not started: ranks {_ranks(waiting)}" if waiting else ""))
+        if line != said:
+            print(f"[mimo_fx] {self.size}-process world, {seconds:.0f} s: {line}",
+                  file=sys.stderr, flush=True)
+        return line
+
     def close(self, kill: bool = False) -> None:
         """End the processes (at once with ``kill``; otherwise they leave their process
         group first). The next :meth:`run` spawns the world again."""
         _close([self], kill)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
 
 
 def _close(worlds: list[World], kill: bool = False) -> None:
