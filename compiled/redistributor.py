@@ -126,8 +126,10 @@ class Redistributor:
         self._label = f"mimo_fx.redistribute {src.describe()} -> {dst.describe()}"
         if self.free or self.rows:
             # the size exchange's rows, a route's counts: read back as ints (.tolist());
-            # a row backward's per-row sums: zero tensors of run-time length
-            require_compiler(scalar_outputs=True, unbacked_tensors=self.rows)
+            # a row backward's per-row sums, a ragged dim's pieces and their gradients:
+            # tensors of run-time length, zero on some ranks
+            ragged = bool(getattr(src, "ragged", ()) or getattr(dst, "ragged", ()))
+            require_compiler(scalar_outputs=True, unbacked_tensors=self.rows or ragged)
         require_compiler(late_waits=True)  # a transfer overlaps the compute after it
         _log_plans(self)
         self._traced_handle = _traced_handle(self)

@@ -1,0 +1,171 @@
+"""What a user meets first with ``torch.compile`` on a few gloo ranks, with no compiler
+flag of their own.
+
+On spawned worlds (one world per size, every check of an item in one function):
+
+1. ragged (not packed) bridges under inductor with ``loss.backward()`` over several
+   steps, zero-length shards included (inductor's joint-graph constant folding is
+   turned off by the bridge itself, as a packed bridge does); a learned size off the
+   template under inductor is the same :class:`MimoFxError` aot_eager gives, on every
+   rank, and the next good size runs.
+
+Every value and input gradient is compared with full-tensor math
+(``mimo_fx.reference.shard`` of the full tensor).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from mimo_fx import Grid, Layout, MimoFxError
+from mimo_fx.reference import shard
+
+pytestmark = pytest.mark.slow  # spawned worlds (tests/README.md)
+
+ENV = {"MIMO_FX_TIMEOUT": "60"}
+COUNTS = [(3, 1), (0, 4), (2, 0), (5, 2)]  # per dp shard, empty shards included
+
+
+def _full(seed: int, shape, dtype=torch.float64) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _steps(rank, bridge, src, dst, backend, calls, *, ragged: bool, unbacked=False):
+    """Compiled ``bridge(x * w)`` with ``loss.backward()`` at each entry of ``calls``
+    (a ragged dim's counts, or a dict of sizes); outputs and input gradients against
+    the oracle. Returns the problems found (empty: all right)."""
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    step = torch.compile(lambda x, w: bridge(None if x is None else x * w),
+                         backend=backend, fullgraph=True)
+    problems = []
+    for i, call in enumerate(calls):
+        if ragged:
+            shape, counts = (sum(call), 4), {"t": call}
+        else:
+            shape, counts = tuple(call[d] for d in "bsh"), {}
+        X, G = _full(10 + i, shape), _full(50 + i, shape)
+        x = shard(X, src, **counts).get(rank)
+        if x is not None:
+            x = x.clone().requires_grad_()
+            if unbacked and i > 0:
+                dynamo.decorators.mark_unbacked(x, 0)
+        w = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
+        y = step(x, w)
+        dst_counts = counts if dst.ragged else {}
+        want, cot = shard(X, dst, **dst_counts).get(rank), shard(G, dst, **dst_counts).get(rank)
+        if want is None:
+            if y is not None and y.numel():
+                problems.append(f"{call}: rank {rank} holds no dst piece, got {y.shape}")
+        elif not torch.equal(y.detach(), want):
+            problems.append(f"{call}: rank {rank} output differs from full-tensor math")
+        loss = (y * cot).sum() if cot is not None else y.sum() * 0
+        loss.backward()
+        if x is not None and not torch.equal(x.grad, shard(G, src, **counts)[rank]):
+            problems.append(f"{call}: rank {rank} input gradient differs")
+        if w.grad is None:
+            problems.append(f"{call}: rank {rank} w got no gradient")
+    return problems
+
+
+def _attempt(fn) -> dict:
+    start = time.monotonic()
+    out: dict = {"error": None, "text": "", "mimo": False, "right": None}
+    try:
+        out["right"] = fn()
+    except Exception as err:  # noqa: BLE001 - what each rank raised is the finding
+        out.update(error=type(err).__name__, text=str(err), mimo=isinstance(err, MimoFxError))
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+# -- item 1: ragged bridges and learned sizes under inductor --------------------------------
+RAGGED = Layout(Grid(dp=2), "(dp t) h", ragged="dp")
+RAGGED_CASES = {
+    "to_replicated": Layout(Grid(tp=2), "t (tp h)"),
+    "to_ragged": Layout(Grid(tp=2), "(tp t) h", ragged="tp"),
+}
+UNEVEN_SRC = Layout(Grid(dp=2), "(dp b) s h")
+UNEVEN_DST = Layout(Grid(cp=2), "b (cp s) h")
+
+
+def _learned_off_template(rank: int, backend: str) -> dict:
+    """b learned under ``backend``: two sizes on the granule, one off it (b=5, uneven
+    over dp 2), then one on it again."""
+    import torch._dynamo as dynamo
+    import torch.distributed as dist
+
+    from mimo_fx.compiled import Redistributor
+
+    dynamo.reset()
+    bridge = Redistributor(UNEVEN_SRC, UNEVEN_DST, {"h": 2}, torch.float64,
+                           name=f"uneven/{backend}")
+    step = torch.compile(lambda x: bridge(x), backend=backend, fullgraph=True)
+
+    def call(b):
+        X = _full(b, (b, 4, 2))
+        return torch.equal(step(shard(X, UNEVEN_SRC)[rank]), shard(X, UNEVEN_DST)[rank])
+
+    out = {"granules": dict(bridge.granules)}
+    out["on"] = _attempt(lambda: call(4) and call(8))
+    out["off"] = _attempt(lambda: call(5))
+    dist.barrier()
+    out["after"] = _attempt(lambda: call(6))
+    bridge.destroy()
+    dynamo.reset()
+    return out
+
+
+def _item1(rank: int, world: int) -> dict:
+    import torch._inductor.config as inductor_config
+
+    from mimo_fx.compiled import Redistributor
+
+    inductor_config.compile_threads = 1
+    out: dict = {"folding_before": inductor_config.joint_graph_constant_folding}
+    for name, dst in RAGGED_CASES.items():
+        bridge = Redistributor(RAGGED, dst, {"h": 4}, torch.float64, name=f"ragged/{name}")
+        out.setdefault("folding_after_build", inductor_config.joint_graph_constant_folding)
+        out[name] = _attempt(lambda: _steps(rank, bridge, RAGGED, dst, "inductor", COUNTS,  # noqa: B023
+                                            ragged=True, unbacked=True))
+        bridge.destroy()
+    for backend in ("aot_eager", "inductor"):
+        out[f"uneven_{backend}"] = _learned_off_template(rank, backend)
+    return out
+
+
+@pytest.fixture(scope="module")
+def item1(worlds):
+    return worlds.run(2, _item1, timeout=1200, env=ENV)
+
+
+def test_ragged_bridges_build_without_a_user_flag(item1):
+    for res in item1:
+        assert res["folding_before"] is True        # nobody set it before the bridge
+        assert res["folding_after_build"] is False  # the ragged bridge did
+
+
+@pytest.mark.parametrize("case", list(RAGGED_CASES))
+def test_ragged_bridges_under_inductor_equal_full_tensor_math(item1, case):
+    for rank, res in enumerate(item1):
+        rec = res[case]
+        assert rec["error"] is None, f"rank {rank}: {rec['error']}: {rec['text'][:2000]}"
+        assert rec["right"] == [], rec["right"]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_learned_size_off_the_template_is_a_mimofxerror_on_every_rank(item1, backend):
+    words = "the learned size b=5 is not a multiple of 2 (bridge.granules)"
+    for rank, res in enumerate(item1):
+        rec = res[f"uneven_{backend}"]
+        assert rec["granules"].get("b") == 2, rec["granules"]
+        assert rec["on"]["right"] is True, rec["on"]
+        off = rec["off"]
+        assert off["mimo"] and words in off["text"], (rank, off["error"], off["text"][:2000])
+        assert off["seconds"] < 600
+        assert rec["after"]["right"] is True, rec["after"]
+
