@@ -7,7 +7,10 @@ On spawned worlds (one world per size, every check of an item in one function):
    steps, zero-length shards included (inductor's joint-graph constant folding is
    turned off by the bridge itself, as a packed bridge does); a learned size off the
    template under inductor is the same :class:`MimoFxError` aot_eager gives, on every
-   rank, and the next good size runs.
+   rank, and the next good size runs;
+2. one step function compiled for two pairs of grids, its layouts from a closure, the
+   receivers learning every size (Dynamo's automatic dynamic shapes must not make a
+   grid's ints symbolic in the bridge's planning code).
 
 Every value and input gradient is compared with full-tensor math
 (``mimo_fx.reference.shard`` of the full tensor).
@@ -168,4 +171,81 @@ def test_a_learned_size_off_the_template_is_a_mimofxerror_on_every_rank(item1, b
         assert off["mimo"] and words in off["text"], (rank, off["error"], off["text"][:2000])
         assert off["seconds"] < 600
         assert rec["after"]["right"] is True, rec["after"]
+
+
+# -- item 2: one step function, two bridges, layouts from a closure -------------------------
+PAIRS = {
+    "colocated": (Layout(Grid(dp=4), "(dp b) s h"),
+                  Layout(Grid(cp=2, dp=2), "(dp b) (cp s) h", zigzag="cp")),
+    "disjoint": (Layout(Grid(dp=2), "(dp b) s h"),
+                 Layout(Grid(cp=2, offset=2), "b (cp s) h", zigzag="cp")),
+}
+
+
+def _make_step(src, dst):
+    """The user's step: layouts from the closure, receivers pass None and learn every
+    size (the same code object for every pair of layouts)."""
+    import mimo_fx
+
+    def step(x, w):
+        return mimo_fx.redistribute(None if x is None else x * w, src, dst,
+                                    dtype=torch.float64)
+    return step
+
+
+def _item2(rank: int, world: int, backend: str) -> dict:
+    import torch._dynamo as dynamo
+
+    import mimo_fx
+
+    dynamo.reset()
+    out: dict = {}
+    for src, dst in PAIRS.values():
+        mimo_fx.compiled.prepare(src, dst, dtype=torch.float64)
+    try:
+        steps = {name: torch.compile(_make_step(*pair), backend=backend, fullgraph=True)
+                 for name, pair in PAIRS.items()}
+        for rnd in range(2):   # each pair compiled, then each again (recompiles)
+            for name, (src, dst) in PAIRS.items():
+                def run(name=name, src=src, dst=dst, rnd=rnd):
+                    wrong = []
+                    for s in (8, 12, 20):
+                        b = 4 + 4 * rnd
+                        X, G = _full(s + b, (b, s, 2)), _full(100 + s + b, (b, s, 2))
+                        x = shard(X, src).get(rank)
+                        x = None if x is None else x.clone().requires_grad_()
+                        w = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
+                        y = steps[name](x, w)
+                        want, cot = shard(X, dst).get(rank), shard(G, dst).get(rank)
+                        ((y * cot).sum() if cot is not None else y.sum() * 0).backward()
+                        if want is not None and not torch.equal(y.detach(), want):
+                            wrong.append(f"b={b} s={s}: output")
+                        if x is not None and not torch.equal(x.grad, shard(G, src)[rank]):
+                            wrong.append(f"b={b} s={s}: input gradient")
+                    return wrong
+                out[f"{name}/{rnd}"] = _attempt(run)
+    finally:
+        mimo_fx.compiled.destroy()
+        dynamo.reset()
+    return out
+
+
+def _item2_all(rank: int, world: int) -> dict:
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+    return {backend: _item2(rank, world, backend) for backend in ("aot_eager", "inductor")}
+
+
+@pytest.fixture(scope="module")
+def item2(worlds):
+    return worlds.run(4, _item2_all, timeout=1400, env=ENV)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_one_step_function_serves_two_bridges_with_layouts_from_a_closure(item2, backend):
+    for rank, res in enumerate(item2):
+        for key, rec in res[backend].items():
+            assert rec["error"] is None, f"rank {rank} {key}: {rec['error']}: {rec['text'][:3000]}"
+            assert rec["right"] == [], (rank, key, rec["right"])
 
