@@ -10,7 +10,11 @@ On spawned worlds (one world per size, every check of an item in one function):
    rank, and the next good size runs;
 2. one step function compiled for two pairs of grids, its layouts from a closure, the
    receivers learning every size (Dynamo's automatic dynamic shapes must not make a
-   grid's ints symbolic in the bridge's planning code).
+   grid's ints symbolic in the bridge's planning code);
+3. ``redistribute_dtensor`` from a mesh on ranks 0-1 to one on ranks 2-3, compiled once
+   and called with changing shapes (even and uneven rows, Shard and Replicate): every
+   rank's graph follows the shape (the receivers' too, whose input is DTensor's empty
+   placeholder), values and gradients exact, 2 graphs per rank for even shapes.
 
 Every value and input gradient is compared with full-tensor math
 (``mimo_fx.reference.shard`` of the full tensor).
@@ -249,3 +253,103 @@ def test_one_step_function_serves_two_bridges_with_layouts_from_a_closure(item2,
             assert rec["error"] is None, f"rank {rank} {key}: {rec['error']}: {rec['text'][:3000]}"
             assert rec["right"] == [], (rank, key, rec["right"])
 
+
+# -- item 3: redistribute_dtensor across disjoint meshes, shapes changing per call ----------
+EVEN = (8, 16, 24, 12, 40)
+UNEVEN = (5, 7, 9, 10)
+
+
+def _dtensor_loop(rank: int, dst_placement: str, shapes, backend: str,
+                  dynamic: bool | None = None) -> dict:
+    """``redistribute_dtensor`` from a dp mesh on ranks 0-1 to a tp mesh on ranks 2-3
+    (Shard(0) -> ``dst_placement``), compiled once and called with ``shapes`` rows:
+    values and gradients against full-tensor math, and the graphs compiled."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    import mimo_fx
+    import mimo_fx.interop.dtensor as mdt
+
+    src_mesh = DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("dp",))
+    dst_mesh = DeviceMesh("cpu", torch.tensor([2, 3]), mesh_dim_names=("tp",))
+    src_p = [Shard(0)]
+    dst_p = [Shard(1)] if dst_placement == "shard" else [Replicate()]
+    dynamo.reset()
+    step = torch.compile(lambda d: mimo_fx.redistribute_dtensor(d, dst_mesh, dst_p),
+                         backend=backend, fullgraph=True, dynamic=dynamic)
+    before = int(counters["stats"]["unique_graphs"])
+    problems = []
+    for k, n in enumerate(shapes):
+        X, G = _full(20 + k, (n, 6)), _full(40 + k, (n, 6))
+        local = distribute_tensor(X, src_mesh, src_p, src_data_rank=None).to_local()
+        holds = rank in (0, 1)
+        # off the mesh the local tensor is DTensor's empty placeholder (no grad)
+        local = local.clone().requires_grad_(holds)
+        dt = DTensor.from_local(local, src_mesh, src_p, run_check=False, shape=X.shape,
+                                stride=X.stride())
+        if k == 0:
+            mdt.prepare(dt, dst_mesh, dst_p)
+        y = step(dt)
+        if isinstance(y, DTensor):
+            want = distribute_tensor(X, dst_mesh, dst_p, src_data_rank=None).to_local()
+            if not torch.equal(y.to_local(), want):
+                problems.append(f"{n} rows: rank {rank} output differs from full-tensor math")
+            cot = distribute_tensor(G, dst_mesh, dst_p, src_data_rank=None).to_local()
+            (y.to_local() * cot).sum().backward()
+        else:
+            y.sum().backward()
+        if holds:
+            want = shard(G, Layout(Grid(dp=2), "(dp b) h", split="chunk"))[rank]
+            if not torch.equal(local.grad, want):
+                problems.append(f"{n} rows: rank {rank} gradient differs from G's shard")
+    return {"problems": problems, "graphs": int(counters["stats"]["unique_graphs"]) - before}
+
+
+def _item3(rank: int, world: int) -> dict:
+    import torch._inductor.config as inductor_config
+
+    import mimo_fx.compiled
+
+    inductor_config.compile_threads = 1
+    out: dict = {}
+    for placement in ("shard", "replicate"):
+        for name, shapes in (("even", EVEN), ("uneven", UNEVEN)):
+            out[f"{placement}/{name}"] = _attempt(
+                lambda p=placement, s=shapes: _dtensor_loop(rank, p, s, "aot_eager"))
+    out["shard/even/inductor"] = _attempt(lambda: _dtensor_loop(rank, "shard", EVEN[:3],
+                                                                "inductor"))
+    mimo_fx.compiled.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def item3(worlds):
+    results = worlds.run(4, _item3, timeout=1400, env=ENV)
+    for key in results[0]:  # graphs per rank, for the record (pytest -s)
+        print(key, "graphs per rank:",
+              [(r[key]["right"] or {}).get("graphs") for r in results])
+    return results
+
+
+@pytest.mark.parametrize("case", ["shard/even", "replicate/even", "shard/uneven",
+                                  "replicate/uneven", "shard/even/inductor"])
+def test_redistribute_dtensor_across_disjoint_meshes_as_shapes_change(item3, case):
+    for rank, res in enumerate(item3):
+        rec = res[case]
+        assert rec["error"] is None, f"rank {rank}: {rec['error']}: {rec['text'][:3000]}"
+        assert rec["right"]["problems"] == [], (rank, rec["right"]["problems"])
+
+
+@pytest.mark.parametrize("case", ["shard/even", "replicate/even", "shard/even/inductor"])
+def test_even_shapes_compile_at_most_two_graphs_per_rank(item3, case):
+    # the first shape static, the second makes the shape dynamic: one graph serves the rest
+    assert [res[case]["right"]["graphs"] for res in item3] == [2] * 4
+
+
+@pytest.mark.parametrize("case", ["shard/uneven", "replicate/uneven"])
+def test_uneven_shapes_compile_a_graph_each_at_most(item3, case):
+    # a size the chunk rule cuts unevenly is planned on its own (docs/sizes.md)
+    for res in item3:
+        assert 1 <= res[case]["right"]["graphs"] <= len(UNEVEN)
