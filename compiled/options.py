@@ -118,8 +118,10 @@ def require_compiler(*, scalar_outputs: bool = False, unbacked_tensors: bool = F
     stay in the graph as unbacked ints instead of breaking it.
     ``unbacked_tensors``: inductor's ``joint_graph_constant_folding`` off: in torch 2.13
     that pass asks whether a zero tensor of unbacked length (a row backward's per-row
-    sums) is contiguous, a data-dependent question it cannot answer, and the compile
-    fails; the pass only replaces constant tensors by fill calls.
+    sums, a ragged dim's empty piece or gradient) is contiguous (``Eq(16*u78, 0)``), a
+    data-dependent question it cannot answer, and the compile fails; the pass only
+    replaces constant tensors by fill calls. Set by every bridge with a packed or a
+    ragged side.
     ``late_waits``: inductor's ``sink_waits`` pass (``reorder_for_compute_comm_overlap``
     with it among its passes), which moves each collective's wait to just before its
     output's first use: compute a step runs between a bridge call and the use of its

@@ -16,6 +16,7 @@ A :class:`Redistributor` is four parts with one job each, and the call that runs
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import warnings
@@ -88,6 +89,7 @@ class Redistributor:
         for side, lay in (("src", src), ("dst", dst)):
             if not isinstance(lay, Layout) and not is_row_layout(lay):
                 raise MimoFxError(_not_a_layout("Redistributor", side, lay))
+        src, dst = _own(src), _own(dst)
         self.src, self.dst, self.options = src, dst, opts
         self.rows = is_row_layout(src) or is_row_layout(dst)
         self.sizing: Any = (RowSizing if self.rows else Sizing)(
@@ -136,8 +138,10 @@ class Redistributor:
         self._label = f"mimo_fx.redistribute {src.describe()} -> {dst.describe()}"
         if self.free or self.rows:
             # the size exchange's rows, a route's counts: read back as ints (.tolist());
-            # a row backward's per-row sums: zero tensors of run-time length
-            require_compiler(scalar_outputs=True, unbacked_tensors=self.rows)
+            # a row backward's per-row sums, a ragged dim's pieces and their gradients:
+            # tensors of run-time length, zero on some ranks
+            ragged = bool(getattr(src, "ragged", ()) or getattr(dst, "ragged", ()))
+            require_compiler(scalar_outputs=True, unbacked_tensors=self.rows or ragged)
         require_compiler(late_waits=True)  # a transfer overlaps the compute after it
         _log_plans(self)
         self._traced_handle = _traced_handle(self)
@@ -526,6 +530,17 @@ _BY_NAME: weakref.WeakValueDictionary[str, Redistributor] = weakref.WeakValueDic
 # handle on the bridge, sharing its state (Dynamo reaches an object it has seen through
 # the first path it saw it by), weakly: a bridge nobody holds can still be collected.
 _TRACED: dict[str, weakref.ref[Redistributor]] = {}
+
+
+def _own(layout):
+    """A box layout's own copy (equal, not the caller's object). Under ``torch.compile``
+    the bridge reaches its layouts through its registered handle, a global, whose ints
+    Dynamo keeps static; the caller's layout objects may live in a closure, whose ints
+    Dynamo makes symbolic when one step function is compiled again for other layouts
+    (automatic dynamic shapes), and Dynamo tracks an object by its identity whichever
+    way it is reached: sharing them would make the bridge's grid ints symbolic too, and
+    planning code cannot take symbolic ints."""
+    return copy.deepcopy(layout) if isinstance(layout, Layout) else layout
 
 
 def _traced_handle(bridge: Redistributor) -> Redistributor:

@@ -244,11 +244,14 @@ class Sizing(CallSizes):
                 # before this when the graph runs, on every rank alike (raising here,
                 # while tracing, would leave the other ranks waiting in the exchange)
                 return values
+            # an ordered check (MimoFxError on every rank, before any data moves), not
+            # torch._check: inductor evaluates a failing torch._check as soon as its
+            # symbols exist, ahead of the ordered checks, as a raw RuntimeError
             if var[0] == "u":  # have == coef * n / granules, without a quotient
                 learned = full[var[1]]
-                _check(have * t.granules[var[1]] == coef * learned, message)
+                runtime_check("equal", (have * t.granules[var[1]], coef * learned), message)
             else:
-                _check(have == coef * full[var[1]][var[2]], message)
+                runtime_check("equal", (have, coef * full[var[1]][var[2]]), message)
             out[t.variables.index(var)] = have // coef if coef != 1 else have
         return tuple(out)
 

@@ -336,6 +336,17 @@ def _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked):
                           f"{tuple(x.placements)} to {tuple(dst_placements)}: {err}") from None
 
 
+def _global_shape(x) -> tuple:
+    """``x``'s global shape. Under ``torch.compile`` read from its spec: Dynamo does not
+    guard the shape of a DTensor whose local tensor is DTensor's empty placeholder (a
+    rank off its mesh), so a graph traced there would keep the shape it was traced at
+    and pair other shapes' data with it; the spec's shape it guards (and makes dynamic
+    when it changes), on every rank."""
+    if torch.compiler.is_compiling():
+        return tuple(x._spec.tensor_meta.shape)
+    return tuple(x.shape)
+
+
 def prepare(x, dst_mesh, dst_placements: Sequence, *, grad_partial=(), comm_dtype=None,
             checked: bool = False) -> None:
     """Create, on every rank, the process groups :func:`redistribute_dtensor` needs, so
@@ -376,7 +387,7 @@ def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=
         raise MimoFxError(f"redistribute_dtensor takes a DTensor, got {type(x).__name__}")
     bridge = _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked)
     rank = dist.get_rank()
-    sizes = dict(zip(bridge.src.dims, x.shape))  # every rank knows the global shape
+    sizes = dict(zip(bridge.src.dims, _global_shape(x)))  # every rank knows the shape
     y = bridge(x.to_local() if bridge.src.holds(rank) else None, sizes)
     if y is None or not bridge.dst.holds(rank):
         return y
