@@ -80,6 +80,8 @@ class Redistributor:
             the other's.
     """
 
+    _agreed: tuple | None  # the last size exchange: (this rank's row, rows)
+
     def __init__(self, src: Layout, dst: Layout, sizes: dict | None = None,
                  dtype=torch.float32, *, grad_partial=(), comm_dtype=None,
                  checked: bool = False, device=None, name: str | None = None) -> None:
@@ -98,12 +100,7 @@ class Redistributor:
         self.involved = self.rank in self.union
         self.device = opts.resolved_device()
         self.name, self._slot = _identity(src, dst, name)
-        if len(self.union) > 1:  # it creates groups: every rank must build it alike
-            try:
-                agree(self.name, self._definition(), "mimo_fx")
-            except MimoFxError:
-                _free_slot(self._slot)
-                raise
+        self._agree()
         # each direction on groups of its own, tagged by the bridge's identity; and a
         # check group over the union, shared, whether checked or not (so ranks that
         # disagree on checked= still create the same groups)
@@ -131,27 +128,40 @@ class Redistributor:
                            self._check_comm, key, self._context(),
                            getattr(self.sizing, "shape", None))
         self.sizing.print_ = self.guard.prints["src"]
-        if checked and self._check_comm is not None:
-            self.executor.check = self._check_backward
+        checks_bwd = checked and self._check_comm is not None
+        self.executor.check = self._check_backward if checks_bwd else None
         self._no_src = placeholder(len(src.local_dims), opts.dtype, self.device, grad=True)
-        self._warned_func = False
         self._label = f"mimo_fx.redistribute {src.describe()} -> {dst.describe()}"
+        self._require_compiler()
+        _log_plans(self)
+        self._traced_handle = _traced_handle(self)
+        self._warned_func, self._agreed = False, None
+        # the last eager call with every size given: (its shape and sizes, the exchange it
+        # agreed on, the sizes) -- the same call again learns nothing and checks nothing new
+        self._given_last: tuple | None = None
+        # nothing to move either way: a call returns its input (a view of it)
+        self._identity = (not self.free and not self.rows and self.sizing.fwd_program.identity
+                          and self.sizing.bwd_program.identity)
+
+    def _agree(self) -> None:
+        """A bridge that creates groups is built alike on every rank: agree on its whole
+        definition first (see :mod:`.agree`)."""
+        if len(self.union) > 1:
+            try:
+                agree(self.name, self._definition(), "mimo_fx")
+            except MimoFxError:
+                _free_slot(self._slot)
+                raise
+
+    def _require_compiler(self) -> None:
+        """The compiler settings this bridge's traced calls need."""
         if self.free or self.rows:
             # the size exchange's rows, a route's counts: read back as ints (.tolist());
             # a row backward's per-row sums, a ragged dim's pieces and their gradients:
             # tensors of run-time length, zero on some ranks
-            ragged = bool(getattr(src, "ragged", ()) or getattr(dst, "ragged", ()))
+            ragged = bool(getattr(self.src, "ragged", ()) or getattr(self.dst, "ragged", ()))
             require_compiler(scalar_outputs=True, unbacked_tensors=self.rows or ragged)
         require_compiler(late_waits=True)  # a transfer overlaps the compute after it
-        _log_plans(self)
-        self._traced_handle = _traced_handle(self)
-        # nothing to move either way: a call returns its input (a view of it)
-        self._agreed: tuple | None = None  # the last size exchange: (this rank's row, rows)
-        # the last eager call with every size given: (its shape and sizes, the exchange it
-        # agreed on, the sizes) -- the same call again learns nothing and checks nothing new
-        self._given_last: tuple | None = None
-        self._identity = (not self.free and not self.rows and self.sizing.fwd_program.identity
-                          and self.sizing.bwd_program.identity)
 
     # -- the parts' answers, under the names callers use ---------------------------------
     @property
