@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import sys
 import warnings
 import weakref
 from typing import Any
@@ -135,7 +136,7 @@ class Redistributor:
         self._require_compiler()
         _log_plans(self)
         self._traced_handle = _traced_handle(self)
-        self._warned_func, self._agreed = False, None
+        self._warned_func, self._warned_backward, self._agreed = False, False, None
         # the last eager call with every size given: (its shape and sizes, the exchange it
         # agreed on, the sizes) -- the same call again learns nothing and checks nothing new
         self._given_last: tuple | None = None
@@ -356,10 +357,36 @@ class Redistributor:
 
     def _keep(self, y: torch.Tensor) -> torch.Tensor:
         if self._source_only and y.requires_grad and not _in_transform():
+            if not torch.compiler.is_compiling():
+                self._warn_forgotten_backward()
             # a source-only rank: its backward runs in mimo_fx.backward() (a store under
             # a key made when the bridge was built: a compiled step guards on no state)
             SOURCE_ONLY[self.name] = y
         return y
+
+    def _warn_forgotten_backward(self) -> None:
+        """A source-only rank's call while its previous result, dropped by the caller,
+        still awaits a backward that has not run: said at once (the ranks that run their
+        backward would wait for this one until ``MIMO_FX_TIMEOUT``). A warning, not an
+        error: if no rank runs that backward (an evaluation with grad enabled), nothing
+        is wrong; once per bridge."""
+        last = SOURCE_ONLY.get(self.name)
+        # a result the caller still holds may yet get its backward from the caller
+        # (several calls before their backwards, as in GPipe): only one that no one but
+        # the store holds (3: the store, ``last`` and getrefcount's argument) is lost
+        if self._warned_backward or last is None or sys.getrefcount(last) > 3:
+            return
+        n = timeouts.calls(self.name, "forward")
+        if n - 1 <= timeouts.calls(self.name, "backward"):
+            return
+        self._warned_backward = True
+        warnings.warn(
+            self._context() + f"rank {self.rank} holds no dst piece of this bridge and ran "
+            f"call {n} while the backward of call {n - 1} has not run on it. On such a "
+            f"rank a call's backward runs in mimo_fx.backward() (once per step, after the "
+            f"step's forwards); if the other ranks run theirs, they now wait for this rank "
+            f"and fail after MIMO_FX_TIMEOUT. A forward meant without a backward runs "
+            f"under torch.no_grad()", stacklevel=4)
 
     def _check_backward(self, g, program, num) -> bool:
         """Checked mode's check of a backward call (its cotangent, every rank's)."""
@@ -507,7 +534,9 @@ def backward(loss: torch.Tensor | None = None) -> None:
     backwards runs). Every rank calls it once per step; a rank without a loss passes
     nothing. Eager or after a compiled step, the same call. It covers each bridge's last
     call (several calls of one bridge before their backwards: backpropagate through
-    their results yourself); a result whose backward already ran is not run again."""
+    their results yourself); a result whose backward already ran is not run again. A
+    source-only rank that calls a bridge again before the last call's backward ran warns
+    at that call."""
     pending = _awaiting_backward()
     tensors = ([loss] if loss is not None else []) + pending
     grads = ([torch.ones_like(loss)] if loss is not None else []) + [

@@ -168,6 +168,60 @@ def test_compiled_first_day(worlds):
     assert time.monotonic() - start < 600
 
 
+def _forgotten_backward(rank: int, size: int) -> dict:
+    """Two steps per scenario on ENC -> LLM (ranks 0-1 hold no dst piece): the warnings
+    each rank's bridge calls give. No rank runs a bridge backward except in "trained"
+    (had the LLM ranks run theirs in "forgotten", they would wait for ranks 0-1 until
+    the timeout; the warning comes before that)."""
+    import warnings
+
+    import mimo_fx
+    from mimo_fx.compiled import Redistributor
+
+    def step(bridge, scenario: str):
+        x = shard(_full(), ENC).get(rank)
+        y = bridge(None if x is None else x.clone().requires_grad_())
+        if scenario == "trained":  # every rank's backward, as documented
+            mimo_fx.backward(y.sum() if rank >= 2 else None)
+        return y.sum() if rank >= 2 else None  # ranks 0-1 drop their result
+
+    out = {}
+    for scenario in ("forgotten", "held", "trained"):
+        bridge = Redistributor(ENC, LLM, SIZES)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if scenario == "held":  # GPipe-like: the caller keeps both results
+                x = shard(_full(), ENC).get(rank)
+                ys = [bridge(None if x is None else x.clone().requires_grad_())
+                      for _ in range(2)]
+                del ys
+            else:
+                for _ in range(2):
+                    step(bridge, scenario)
+        out[scenario] = [str(w.message) for w in caught]
+        bridge.destroy()
+    return out
+
+
+@pytest.mark.slow
+def test_a_forgotten_backward_is_said_at_the_next_call(worlds):
+    """A rank without a dst piece that calls a bridge again after dropping the previous
+    call's result, whose backward never ran (no mimo_fx.backward()), warns at once,
+    naming the call and the fix; the ranks holding dst pieces, a caller that holds its
+    results (it may backpropagate them itself) and a step that runs mimo_fx.backward()
+    say nothing."""
+    results = worlds.run(4, _forgotten_backward, timeout=600)
+    for rank in (0, 1):
+        (said,) = results[rank]["forgotten"]
+        assert f"rank {rank} holds no dst piece of this bridge and ran call 2 while the " \
+            "backward of call 1 has not run on it" in said, said
+        assert "mimo_fx.backward()" in said and "torch.no_grad()" in said, said
+    for rank in range(4):
+        assert results[rank]["trained"] == results[rank]["held"] == [], results[rank]
+    for rank in (2, 3):
+        assert results[rank]["forgotten"] == [], results[rank]
+
+
 # -- 1. a packed layout's cp=/dp= name axes of its grid ---------------------------------------
 @pytest.mark.parametrize("kwargs,grid", [
     ({"cp": "sp"}, Grid(cp=2, dp=2)), ({"dp": "data"}, Grid(cp=2, dp=2)),
