@@ -23,6 +23,7 @@ library cannot detect is an xfail that says why.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +38,9 @@ TIMEOUT = 4.0  # MIMO_FX_TIMEOUT in the worlds: how long a wait for a missing pe
 ENV = {"MIMO_FX_TIMEOUT": f"{TIMEOUT:g}"}
 SLOW = pytest.mark.slow
 COMPILE = 90.0  # seconds a case's compiles may add to its bound (2 shared cores)
+# the cases that hang without mimo_fx's timeouts: compiled too, they wait TIMEOUT
+HANGS = ("grad_differs", "skips_a_call", "raises_before_backward", "forgets_backward",
+         "opposite_order")
 
 SRC = Layout(Grid(dp=4), "(dp b) h")                 # every rank a row block
 DST = Layout(Grid(dp=4), "b (dp h)")                 # ... to a column block
@@ -121,10 +125,18 @@ def _table(rank: int, world: int, mode: str, keys: list[tuple[str, bool]]) -> di
     out = {}
     for name, checked in keys:
         case = Case(rank, mode, checked, f"{name}/{mode}/{checked}")
+        # a compiled case that is no hang waits up to COMPILE for its peers: a rank that
+        # recompiles mid-case (a new size, another batch) keeps the others waiting in
+        # its collectives that long on a loaded machine; the hangs keep TIMEOUT
+        widen = case.compiled and name not in HANGS
+        if widen:
+            os.environ["MIMO_FX_TIMEOUT"] = f"{COMPILE:g}"
         try:
             out[name, checked] = CASES[name](case)
         finally:
             case.close()
+            if widen:
+                os.environ["MIMO_FX_TIMEOUT"] = f"{TIMEOUT:g}"
     return out
 
 
@@ -694,9 +706,9 @@ def check(records: list[dict], expect: Expect, compiled: bool = False) -> None:
         for r, rec in records.items():
             assert set(rec["issued"]) <= {"all_gather"}, f"rank {r}: {rec['issued']}"
     bound = expect.bound + (COMPILE if compiled else 0.0)
-    if expect.bound <= TIMEOUT:  # found at once, not waited for
+    if expect.bound <= TIMEOUT:  # found at once, not waited for (at any timeout)
         for r in raised:
-            assert TIMED_OUT not in records[r]["text"], _show(records)
+            assert "MIMO_FX_TIMEOUT=" not in records[r]["text"], _show(records)
     for r, rec in records.items():
         assert rec["seconds"] < bound, f"rank {r} took {rec['seconds']:.1f} s"
 
