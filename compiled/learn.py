@@ -36,7 +36,7 @@ from .guard import (
     int_tensor,
 )
 
-__all__ = ["Row", "learn_sizes", "int_tensor"]
+__all__ = ["Row", "learn_sizes", "holder_shapes", "int_tensor"]
 
 HEADER = 4  # marker, fingerprint, 1 + the tensor's dims (0: None), its dtype
 
@@ -72,20 +72,44 @@ def _compiled_check(ok, message) -> None:
                              "layouts (run the call eagerly to see which rank and why)")
 
 
-def learn_sizes(rows, ranks: tuple[int, ...], src: Layout, given: dict, print_: int,
-                dtype: torch.dtype, context: str) -> dict:
-    """Every dim's size from the exchanged ``rows`` (one per rank of ``ranks``, as lists
-    of ints or SymInts), ``given`` first. Eagerly a bad row raises :class:`MimoFxError`
-    on every rank, naming the rank."""
+def holder_shapes(rows: torch.Tensor, ranks: tuple[int, ...], src: Layout,
+                  ndim: int) -> dict:
+    """The local shapes the src holders sent, one holder per piece, by rank, as SymInts
+    under ``torch.compile``: only these entries of the table become unbacked SymInts
+    (each costs Dynamo milliseconds to trace and the graph a run-time assert). The rest
+    -- the headers, and that replicas of a piece sent its shape -- the exchange op
+    judges when the graph runs (``_exchange_impl``), raising the eager call's error."""
+    at, pieces = [], set()
+    for i, r in enumerate(ranks):
+        if src.holds(r):
+            coord = src.grid.coord(r)
+            piece = tuple(coord[a] for a in src.sharded_axes)
+            if piece not in pieces:
+                pieces.add(piece)
+                at.append(i)
+    if not at or not ndim:
+        return {ranks[i]: () for i in at}
+    table = rows.view(len(ranks), -1)[at, HEADER:HEADER + ndim].tolist()
+    return {ranks[i]: tuple(shape) for i, shape in zip(at, table)}
+
+
+def learn_sizes(rows: torch.Tensor, ranks: tuple[int, ...], src: Layout, given: dict,
+                print_: int, dtype: torch.dtype, context: str) -> dict:
+    """Every dim's size from the exchanged ``rows`` (a table, one row per rank of
+    ``ranks``), ``given`` first. Eagerly a bad row raises :class:`MimoFxError` on every
+    rank, naming the rank."""
     compiling = torch.compiler.is_compiling()
     check: Callable[[Any, str], None] = _compiled_check if compiling else _eager_check
     ndim = len(src.local_dims)
-    if not compiling:
-        problems = _row_problems(rows, ranks, src, print_, ndim, dtype)
+    if compiling:
+        shapes = holder_shapes(rows, ranks, src, ndim)
+    else:
+        listed = rows.view(len(ranks), -1).tolist()
+        problems = _row_problems(listed, ranks, src, print_, ndim, dtype)
         if problems:
             raise MimoFxError(context + "the size exchange found:\n  " + "\n  ".join(problems))
-    shapes = {r: tuple(row[HEADER:HEADER + ndim]) for r, row in zip(ranks, rows)
-              if src.holds(r)}
+        shapes = {r: tuple(row[HEADER:HEADER + ndim]) for r, row in zip(ranks, listed)
+                  if src.holds(r)}
     try:
         sizes = infer_sizes(src, shapes, dict(given), check)
     except MimoFxError as err:

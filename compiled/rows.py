@@ -96,13 +96,14 @@ class RowSizing(CallSizes):
         from .learn import learn_sizes
 
         if not is_row_layout(self.src):
-            return learn_sizes(rows.tolist(), ranks or self.union, self.src, known,
+            return learn_sizes(rows, ranks or self.union, self.src, known,
                                self.print_, self.dtype, self.context)
         out = dict(known)
         holders = [i for i, r in enumerate(ranks or self.union) if self.src.holds(r)]
-        row = rows.tolist()[holders[0]]
-        for k, d in enumerate(self.features):
-            out.setdefault(d, row[5 + k])
+        # the first holder's feature sizes only (each entry read is a SymInt in a graph)
+        row = rows.view(len(ranks or self.union), -1)[holders[0], 5:5 + len(self.features)]
+        for d, size in zip(self.features, row.tolist()):
+            out.setdefault(d, size)
         return out
 
     # -- the route and the programs ------------------------------------------------------

@@ -161,7 +161,7 @@ class Sizing(CallSizes):
         ``known`` first; a bad row raises the same error on every rank."""
         from .learn import learn_sizes
 
-        return learn_sizes(rows.tolist(), ranks or self.union, self.src, known,
+        return learn_sizes(rows, ranks or self.union, self.src, known,
                            self.print_, self.dtype, self.context)
 
     # -- programs ------------------------------------------------------------------------
