@@ -52,12 +52,15 @@ def _pairs(text: str, what: str) -> dict[str, int]:
     for item in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = item.partition("=")
         try:
-            if not sep:
+            if not sep or not name.strip():
                 raise ValueError
-            out[name.strip()] = int(value)
+            number = int(value)
         except ValueError:
             raise MimoFxError(f"{what} {text!r}: expected name=integer pairs separated by "
                               f"commas, e.g. 'tp=2,dp=4', got {item!r}") from None
+        if name.strip() in out:
+            raise MimoFxError(f"{what} {text!r} names {name.strip()!r} twice; give it once")
+        out[name.strip()] = number
     return out
 
 
@@ -67,6 +70,8 @@ def _sizes(text: str) -> dict[str, Size]:
     for item in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = item.partition("=")
         try:
+            if not name.strip():
+                raise ValueError
             counts = tuple(int(c) for c in value.split(":"))
         except ValueError:
             raise MimoFxError(f"--sizes {text!r}: expected name=size pairs separated by "
@@ -75,6 +80,11 @@ def _sizes(text: str) -> dict[str, Size]:
         if ":" in value and min(counts) < 0:
             raise MimoFxError(f"--sizes {item!r}: counts are token counts >= 0, got "
                               f"{min(counts)}")
+        if ":" not in value and counts[0] < 1:
+            raise MimoFxError(f"--sizes {item!r}: a size is a positive integer (a ragged "
+                              f"dim's counts, which may be 0, are separated by ':')")
+        if name.strip() in out:
+            raise MimoFxError(f"--sizes {text!r} names {name.strip()!r} twice; give it once")
         out[name.strip()] = counts if ":" in value else counts[0]
     return out
 
@@ -183,6 +193,9 @@ def _mesh_layout(args, side: str, sizes: dict[str, Size]) -> Layout:
         if isinstance(n, tuple):
             raise MimoFxError(f"--sizes {d}={':'.join(map(str, n))} gives counts, but a "
                               f"DTensor (--{side}-mesh) has one size per dim; give {d}={sum(n)}")
+    if not shape:
+        raise MimoFxError(f"--sizes {args.sizes!r} names no dims; a DTensor {side} takes its "
+                          f"tensor dims from --sizes, in order (e.g. b=4,s=8)")
     dims = _pairs(mesh, f"--{side}-mesh")
     offset = dims.pop("offset", 0)
     bad = {n: k for n, k in dims.items() if k < 1}

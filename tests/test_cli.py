@@ -203,6 +203,9 @@ SRC_MESH = ["--src-mesh", "dp=2,tp=2", "--src-placements", "Shard(0),Replicate()
      "ragged= names unknown axis 'pp'"),
     ([*RAGGED, "--src-ragged", "dp", "--sizes", "t=3:0:5:2,h=8,w=2"],
      "--sizes names ['w'], which neither layout has"),
+    ([*RAGGED, "--src-ragged", "dp", "--sizes", "t=3:0:5:2,h=0"],
+     "--sizes 'h=0': a size is a positive integer"),
+    ([*RAGGED, "--src-ragged", "dp", "--sizes", "t=3:0:5:2,h=8,t=4"], "names 't' twice"),
     # packed
     ([*PACKED, "--dst-packed", "5,6", "--sizes", "t=5:6,h=4"],
      "--dst-packed '5,6' gives 1 group(s) of sample lengths but --dst-grid has 2 dp group(s)"),
@@ -241,6 +244,10 @@ SRC_MESH = ["--src-mesh", "dp=2,tp=2", "--src-placements", "Shard(0),Replicate()
     ([*SRC_MESH, "--src-grid", "dp=4", "--src-partial", "tp", *MESH],
      "--src-grid and --src-partial: --src-mesh and --src-placements give src's grid"),
     ([*SRC_MESH, *MESH, "--dst-zigzag", "cp"], "--dst-zigzag: a DTensor shard is contiguous"),
+    ([*SRC_MESH, *MESH, "--sizes", ""], "--sizes '' names no dims; a DTensor src takes its "
+                                        "tensor dims from --sizes"),
+    (["--src-mesh", "dp=2,dp=2", "--src-placements", "Shard(0),Replicate()", *MESH],
+     "--src-mesh 'dp=2,dp=2' names 'dp' twice"),
     ([*SRC_MESH, *MESH[:4], "--sizes", "b=4:4,s=8"],
      "--sizes b=4:4 gives counts, but a DTensor (--src-mesh) has one size per dim; give b=8"),
 ])
