@@ -14,6 +14,10 @@ share (an all-reduce is both). Row sums are ``plan.bytes_sent``, column sums
 ``plan.bytes_recv``; how a collective's ring or tree relays the data is the library's
 business and not shown.
 
+A :class:`~mimo_fx.rows.RowPlan` (a packed layout on a side) is explained alike: the rows
+each rank holds and needs as ranges of the row dims, the matrix of its one all-to-all,
+how many rows (and bytes) each sender sends each receiver, and bytes against the bound.
+
 >>> from mimo_fx import Grid, Layout, plan
 >>> p = plan(Layout(Grid(dp=2), "(dp b) h"), Layout(Grid(tp=2), "b h"), {"b": 4, "h": 8})
 >>> transfer_matrix(p)
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable
 
 from tabulate import tabulate
 
@@ -38,6 +43,7 @@ __all__ = ["step_matrix", "transfer_matrix", "explain", "rank_table", "draw_png"
 MATRIX_RANKS = 16   # print the full matrix up to this many ranks, else the heaviest pairs
 TRANSFERS_SHOWN = 24  # all-to-all transfers listed per step
 HOLDINGS_SHOWN = 64  # ranks listed in the holdings table
+ROW_RANGES = 4  # ranges of rows shown per rank or transfer of a row plan
 PNG_MATRIX_CELLS = 512  # above this many ranks the heat map shows blocks of ranks
 
 
@@ -80,7 +86,7 @@ def _region(p: Plan, boxes: tuple[Box, ...]) -> str:
 
 
 # -- text -----------------------------------------------------------------------------------
-def rank_table(p: Plan) -> str:
+def rank_table(p: Plan | RowPlan) -> str:
     """Per rank: coordinates on both grids, bytes sent and received, the lower bound."""
     rows = []
     for r in _ranks(p):
@@ -115,7 +121,7 @@ def _unit(largest: int) -> tuple[str, int]:
     return "B", 1
 
 
-def _matrix_text(p: Plan, matrix: dict[tuple[int, int], int]) -> str:
+def _matrix_text(p: Plan | RowPlan, matrix: dict[tuple[int, int], int]) -> str:
     if not matrix:
         return "transfer matrix: no rank sends anything"
     unit, scale = _unit(max(matrix.values()))
@@ -157,7 +163,7 @@ def _collectives_text(p: Plan) -> str:
     return "collectives: " + ", then ".join(step.summary() for step in p.steps)
 
 
-def _summary(p: Plan) -> str:
+def _summary(p: Plan | RowPlan) -> str:
     bound = p.max_lower_bound
     ratio = f"{p.max_recv / bound:.2f}" if bound else ("1.00" if not p.max_recv else "inf")
     worst = [r for r, n in p.bytes_recv.items() if n > p.lower_bound.get(r, 0)]
@@ -169,6 +175,22 @@ def _summary(p: Plan) -> str:
             f"{format_bytes(p.max_sent, 2)}/rank; total {format_bytes(p.total_bytes, 2)}{extra}")
 
 
+def _row_region(p: RowPlan, rows: Iterable[int]) -> str:
+    """Distinct global ``rows`` as ranges of the row dims, e.g. ``t[0:2] + t[5:7]``."""
+    from .rows import row_dims
+
+    dims = row_dims(p.src, p.dst)
+    name = dims[0] if len(dims) == 1 else f"({' '.join(dims)})"
+    ranges: list[list[int]] = []
+    for g in sorted(set(rows)):
+        if ranges and ranges[-1][1] == g:
+            ranges[-1][1] = g + 1
+        else:
+            ranges.append([g, g + 1])
+    text = " + ".join(f"{name}[{a}:{b}]" for a, b in ranges[:ROW_RANGES])
+    return text + (f" + ... ({len(ranges)} ranges)" if len(ranges) > ROW_RANGES else "")
+
+
 def _row_holdings(p: RowPlan) -> str:
     ranks = _ranks(p)
     rows = []
@@ -176,9 +198,11 @@ def _row_holdings(p: RowPlan) -> str:
         i = p.ranks.index(r) if r in p.ranks else None
         held = [g for g in p.src_rows[i] if g >= 0] if i is not None else []
         need = [g for g in p.dst_rows[i] if g >= 0] if i is not None else []
-        rows.append([r, _coord(p.src.grid, r), f"{len(held)} rows", _coord(p.dst.grid, r),
-                     f"{len(need)} rows ({len(set(need))} distinct, "
-                     f"{len(set(need) - set(held))} not held)"])
+        where = f": {_row_region(p, need)}" if need else ""
+        rows.append([r, _coord(p.src.grid, r),
+                     f"{len(held)} rows" + (f": {_row_region(p, held)}" if held else ""),
+                     _coord(p.dst.grid, r), f"{len(need)} rows ({len(set(need))} distinct, "
+                     f"{len(set(need) - set(held))} not held){where}"])
     text = tabulate(rows, disable_numparse=True, tablefmt="simple",
                     headers=["rank", "src coord", "holds", "dst coord", "needs"])
     if len(ranks) > HOLDINGS_SHOWN:
@@ -186,19 +210,38 @@ def _row_holdings(p: RowPlan) -> str:
     return text
 
 
+def _row_transfers_text(p: RowPlan) -> str:
+    """Each sending pair of the forward all-to-all: how many rows, bytes, which rows."""
+    pairs = sorted(p.pairs().items())
+    if not pairs:
+        return ""
+    lines = ["transfers of the all_to_all (sender -> receiver: rows, bytes, which rows):"]
+    for (s, d), n in pairs[:TRANSFERS_SHOWN]:
+        rows = p.sends[p.index(s)][p.index(d)]
+        lines.append(f"  {s} -> {d}: {n} rows, {format_bytes(n * p.row_bytes, 2)}: "
+                     f"{_row_region(p, rows)}")
+    if len(pairs) > TRANSFERS_SHOWN:
+        lines.append(f"  ... {len(pairs) - TRANSFERS_SHOWN} more transfers")
+    return "\n".join(lines)
+
+
+def _check_row_plan(p: RowPlan) -> None:
+    if p.src is None:
+        raise MimoFxError("explain needs the layouts of a row plan: plan it with "
+                          "mimo_fx.plan(src, dst, sizes)")
+
+
 def explain(p: Plan | RowPlan) -> str:
     """A readable account of ``p``: steps, holdings, transfer matrix, transfers, bytes."""
     matrix = transfer_matrix(p)
     if isinstance(p, RowPlan):  # rows a layout lists, not boxes
-        if p.src is None:
-            raise MimoFxError("explain needs the layouts of a row plan: plan it with "
-                              "mimo_fx.plan(src, dst, sizes)")
-        return "\n\n".join([
+        _check_row_plan(p)
+        sections = [
             str(p), f"collectives: one all_to_all over {len(p.ranks)} ranks each way",
-            _summary(p),  # type: ignore[arg-type]
-            "what each rank holds (src) and needs (dst):\n" + _row_holdings(p),
-            _matrix_text(p, matrix),  # type: ignore[arg-type]
-            "bytes per rank:\n" + rank_table(p)]) + "\n"  # type: ignore[arg-type]
+            _summary(p), "what each rank holds (src) and needs (dst):\n" + _row_holdings(p),
+            _matrix_text(p, matrix), _row_transfers_text(p),
+            "bytes per rank:\n" + rank_table(p)]
+        return "\n\n".join(s for s in sections if s) + "\n"
     sections = [
         str(p),
         _collectives_text(p),
@@ -242,20 +285,38 @@ def _arrangement(grid: Grid) -> tuple[int, int]:
     return cols, -(-grid.size // cols)
 
 
-def _draw_grid(ax, p: Plan, grid: Grid, tiling: Tiling, title: str, cmap) -> None:
+_Regions = Callable[[int], tuple[Hashable, list[str]]]  # rank -> (what it holds, its label)
+
+
+def _box_regions(p: Plan, tiling: Tiling) -> _Regions:
+    def of(rank: int) -> tuple[Hashable, list[str]]:
+        boxes = tiling.boxes(rank)
+        return boxes, [p.describe_box(b) for b in boxes]
+    return of
+
+
+def _row_regions(p: RowPlan, rows: tuple[tuple[int, ...], ...]) -> _Regions:
+    def of(rank: int) -> tuple[Hashable, list[str]]:
+        real = frozenset(g for g in rows[p.index(rank)] if g >= 0) if rank in p.ranks \
+            else frozenset()
+        return real, [f"{len(real)} rows", _row_region(p, real)] if real else []
+    return of
+
+
+def _draw_grid(ax, grid: Grid, regions: _Regions, title: str, cmap) -> None:
     """Rank boxes of ``grid``, ranks holding the same region in the same colour."""
     cols, rows = _arrangement(grid)
-    colours: dict[tuple[Box, ...], int] = {}
+    colours: dict[Hashable, int] = {}
     labels = grid.size <= 64
     for k, rank in enumerate(grid.ranks):
-        boxes = tiling.boxes(rank)
-        colour = cmap(colours.setdefault(boxes, len(colours)) % 20) if boxes else "white"
+        held, lines = regions(rank)
+        colour = cmap(colours.setdefault(held, len(colours)) % 20) if held else "white"
         x, y = k % cols, rows - 1 - k // cols
         ax.add_patch(_rectangle((x + 0.05, y + 0.05), 0.9, 0.9, colour, labels))
         if labels:
             text = f"{rank}\n{_coord(grid, rank)}"
             if grid.size <= 16:
-                text += "\n" + "\n".join(p.describe_box(b) for b in boxes)
+                text += "\n" + "\n".join(lines)
             ax.text(x + 0.5, y + 0.5, text, ha="center", va="center",
                     fontsize=6 if grid.size <= 8 else 5)
     ax.set_xlim(0, cols)
@@ -271,7 +332,7 @@ def _rectangle(xy, w, h, colour, edge: bool):
     return Rectangle(xy, w, h, facecolor=colour, edgecolor="black", linewidth=0.5 if edge else 0)
 
 
-def _heat(p: Plan, matrix: dict[tuple[int, int], int]):
+def _heat(p: Plan | RowPlan, matrix: dict[tuple[int, int], int]):
     """The matrix as a dense array in ``unit`` (blocks of ranks when there are many)."""
     import numpy as np
 
@@ -286,19 +347,33 @@ def _heat(p: Plan, matrix: dict[tuple[int, int], int]):
     return dense / scale, unit, ranks, block
 
 
-def draw_png(p: Plan, path: str) -> None:
+def _png_parts(p: Plan | RowPlan) -> tuple[_Regions, _Regions, int, str]:
+    """What each grid holds, the number of steps and the headline of the picture."""
+    if isinstance(p, RowPlan):
+        _check_row_plan(p)
+        return (_row_regions(p, p.src_rows), _row_regions(p, p.dst_rows), 1,
+                f"mimo_fx row plan ({p.n_rows} rows of {p.row_bytes} B): one all_to_all "
+                f"over {len(p.ranks)} ranks each way")
+    sizes = " ".join(f"{d}={n}" for d, n in p.sizes)
+    return (_box_regions(p, src_tiling(p)), _box_regions(p, p.need), len(p.steps),
+            f"mimo_fx plan ({sizes}, {p.itemsize} B/elem): {_collectives_text(p)}")
+
+
+def draw_png(p: Plan | RowPlan, path: str) -> None:
     """Draw ``p`` to ``path``: src grid, dst grid, and the rank x rank transfer heat map."""
     figure = _figure_class()
     _check_writable(path)
     import numpy as np
     from matplotlib import colormaps
 
+    held, needed, steps, headline = _png_parts(p)
     fig = figure(figsize=(16, 5.5), layout="constrained")
     left, middle, right = fig.subplots(1, 3, width_ratios=[1, 1, 1.25])
     cmap = colormaps["tab20"]
-    partial = f" (partial over {','.join(p.src.partial)})" if p.src.partial else ""
-    _draw_grid(left, p, p.src.grid, src_tiling(p), f"src {p.src.describe()}{partial}", cmap)
-    _draw_grid(middle, p, p.dst.grid, p.need, f"dst {p.dst.describe()}", cmap)
+    src_partial = getattr(p.src, "partial", ())
+    partial = f" (partial over {','.join(src_partial)})" if src_partial else ""
+    _draw_grid(left, p.src.grid, held, f"src {p.src.describe()}{partial}", cmap)
+    _draw_grid(middle, p.dst.grid, needed, f"dst {p.dst.describe()}", cmap)
     dense, unit_name, ranks, block = _heat(p, transfer_matrix(p))
     masked = np.ma.masked_equal(dense, 0.0)
     image = right.imshow(masked, cmap="viridis", interpolation="nearest", vmin=0)
@@ -310,13 +385,10 @@ def draw_png(p: Plan, path: str) -> None:
         right.set_xticks(range(len(ranks)), [str(r) for r in ranks], fontsize=6)
         right.set_yticks(range(len(ranks)), [str(r) for r in ranks], fontsize=6)
     bound = format_bytes(p.max_lower_bound, 2)
-    right.set_title(f"bytes sent, {len(p.steps)} step(s): max recv "
+    right.set_title(f"bytes sent, {steps} step(s): max recv "
                     f"{format_bytes(p.max_recv, 2)}/rank, bound {bound}", fontsize=9)
-    sizes = " ".join(f"{d}={n}" for d, n in p.sizes)
-    fig.suptitle(f"mimo_fx plan ({sizes}, {p.itemsize} B/elem): "
-                 f"{_collectives_text(p)}", fontsize=10)
+    fig.suptitle(headline, fontsize=10)
     try:
         fig.savefig(path, format="png", dpi=110)
     except OSError as err:
         raise MimoFxError(f"cannot write png {path!r}: {err.strerror or err}") from None
-

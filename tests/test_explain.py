@@ -156,3 +156,40 @@ def test_missing_matplotlib_names_the_install(tmp_path, monkeypatch, capsys):
     assert main(["explain", "--png", str(tmp_path / "p.png")]) == 2
     assert "pip install matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "p.png").exists()
+
+
+def _zigzag_tokens(lengths: list[int], cp: int, c: int, offset: int = 0) -> list[int]:
+    """The tokens cp rank ``c`` holds of sequences of ``lengths`` packed from ``offset``:
+    each padded to a multiple of 2*cp, chunks c and 2*cp-1-c, padding dropped."""
+    out = []
+    for n in lengths:
+        chunk = -(-n // (2 * cp))
+        for k in (c, 2 * cp - 1 - c):
+            out += [offset + i for i in range(k * chunk, (k + 1) * chunk) if i < n]
+        offset += n
+    return out
+
+
+def test_row_plan_lists_rows_per_transfer_and_draws(tmp_path):
+    """Encoder DP2 holding 5 and 6 rows -> samples of 5 and 6 tokens packed over CP2."""
+    pytest.importorskip("matplotlib")
+    from mimo_fx.explain import draw_png, explain
+    from mimo_fx.packed import PackedLayout
+
+    src = Layout(Grid(dp=2), "(dp t) h", ragged="dp")
+    dst = PackedLayout(Grid(cp=2, offset=2), "t h", [[5, 6]])
+    text = explain(plan(src, dst, {"t": (5, 6), "h": 4}, F32))
+    held = {0: set(range(5)), 1: set(range(5, 11))}
+    for c in range(2):
+        need = set(_zigzag_tokens([5, 6], 2, c))
+        assert f"{len(need)} rows ({len(need)} distinct, {len(need)} not held)" in text
+        for s in (0, 1):
+            rows = sorted(need & held[s])
+            line = re.search(rf"^  {s} -> {2 + c}: (\d+) rows, (\d+) B: ", text, flags=re.M)
+            assert line and line.groups() == (str(len(rows)), str(len(rows) * 4 * F32))
+    # rank 2 takes tokens 0,1 of the first sample and 0,1 (rows 5,6) of the second
+    assert "2 -> 2" not in text and "  1 -> 2: 2 rows, 32 B: t[5:7]" in text
+    assert "cp0          4 rows (4 distinct, 4 not held): t[0:2] + t[5:7]" in text
+    path = tmp_path / "rows.png"
+    draw_png(plan(src, dst, {"t": (5, 6), "h": 4}, F32), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
