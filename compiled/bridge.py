@@ -51,12 +51,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from mimo_fx.errors import MimoFxError
+from mimo_fx.rows import is_row_layout
 
 from .comm import Comm
-from .executor import CompiledExecutor
+from .executor import CompiledExecutor, Numbers
 from .lease import Lease, keep_alive, release_later
 from .p2p import CHECKS, SIZES, Channel, Routed
-from .redistributor import Redistributor, placeholder
+from .redistributor import Redistributor, _flat_sizes, placeholder
 from .timeouts import cause, wait_time
 
 __all__ = ["Bridge"]
@@ -68,7 +69,8 @@ class Bridge(Redistributor):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._in_flight: deque[dict] = deque()  # sizes of forwards awaiting their backward
+        # (sizes, batch) of the forwards awaiting their backward, when these vary by call
+        self._in_flight: deque[tuple[dict, dict]] = deque()
         self._deferred: list = []  # (gather, check): rows checked when they arrive
         self._failed = False
         src, dst = tuple(self.src.grid.ranks), tuple(self.dst.grid.ranks)
@@ -150,10 +152,11 @@ class Bridge(Redistributor):
                 keep.append((rest, check))
         self._deferred = keep
 
-    def _run(self, direction: int, program, tensor: torch.Tensor) -> torch.Tensor:
+    def _run(self, direction: int, program, tensor: torch.Tensor, env: dict | None = None,
+             index: tuple = ()) -> torch.Tensor:
         try:
             with torch.no_grad():
-                (out,) = self._pipe[direction].run(program, (tensor,),
+                (out,) = self._pipe[direction].run(program, (tensor,), env, index,
                                                    direction=("forward", "backward")[direction])
         except RuntimeError as err:
             raise MimoFxError(
@@ -162,34 +165,60 @@ class Bridge(Redistributor):
                 f"same calls in the same order") from None
         return out
 
-    def _forward(self, x: torch.Tensor | None, sizes: dict | None) -> Iterator:
+    @property
+    def _varies(self) -> bool:
+        """Whether a call's sizes or batch may differ from the last one's (then each
+        backward runs at its forward's, queued in ``_in_flight``)."""
+        return bool(self.free) or self.rows
+
+    def _programs(self, full: dict, learned: frozenset, x, batch: dict) -> _Programs:
+        return _Programs(self.sizing, full, learned, x, batch)
+
+    def _size_row(self, x, known: dict, batch: dict) -> torch.Tensor:
+        """This rank's size row; a row bridge's fingerprint folds in the sizes given and
+        the call's batch, so ranks that pass different batches raise, as in a call of
+        the bridge itself."""
+        from .guard import fingerprint
+
+        row = self.sizing.size_row(x, self.device)
+        if self.rows:
+            values, spec = _flat_sizes(known)
+            data = [lay.data.tolist() for lay in (batch.get("src", self.src),
+                                                  batch.get("dst", self.dst))
+                    if is_row_layout(lay)]
+            row[1] = fingerprint(int(row[1]), [int(v) for v in values], spec, data)
+        return row
+
+    def _forward(self, x: torch.Tensor | None, sizes: dict | None, batch: dict) -> Iterator:
         """A forward in two steps: post its rows (``yield``), then validate ``x`` (this
-        rank's src piece or None) and run the forward program (``yield`` the result)."""
+        rank's src piece or None) and run the forward program (``yield`` the result).
+        ``batch``: a row bridge's layouts for this call (``src=``/``dst=``)."""
         sizing, guard = self.sizing, self.guard
         given = sizing.given(sizes, {})
         full = {**self.fixed, **given}
         missing = sizing.missing(given)
-        if missing:  # the size rows also check the call (learn_sizes)
-            rows, now, rest = self._gather_rows(0, sizing.size_row(x, self.device), SIZES)
+        exchange = bool(missing) or self.rows  # the size rows also check the call
+        if exchange:
+            rows, now, rest = self._gather_rows(0, self._size_row(x, full, batch), SIZES)
         elif self.checked:
-            fwd = sizing.programs(full, frozenset())[0]
-            header, print_ = guard.header(x, "src", fwd.src_shape, full, self._print(full))
+            shape = self._programs(full, frozenset(), x, batch).src_shape
+            header, print_ = guard.header(x, "src", shape, full, self._print(full))
             rows, now, rest = self._gather_rows(0, header, CHECKS)
         yield None
-        if missing:
+        if exchange:
             known = full
             full = sizing.sizes_from(rows(), known, now)
             self._later(rest, lambda got: self._same_sizes(got, known, full))
-        fwd = sizing.programs(full, frozenset(missing))[0]
-        if self.checked and not missing:
+        programs = self._programs(full, frozenset(missing), x, batch)
+        if self.checked and not exchange:
             guard.verdict(rows(), "src", print_, full, now)
             self._later(rest, lambda got: guard.verdict(got, "src", print_, full))
         else:
-            guard.local(x, "src", fwd.src_shape, full)
-        if self.free:
-            self._in_flight.append(full)
+            guard.local(x, "src", programs.src_shape, full)
+        if self._varies:
+            self._in_flight.append((full, batch))
         x = self._placeholder(self.src) if x is None else x.detach()
-        yield self._run(0, fwd, x)
+        yield self._run(0, programs.fwd, x, programs.env, programs.index)
 
     def _print(self, full: dict, side: str = "src") -> int | None:
         """The fingerprint a checked call of ``side`` at ``full`` sizes carries."""
@@ -207,34 +236,36 @@ class Bridge(Redistributor):
                               "sizes the senders learned")
 
     def _backward(self, grad: torch.Tensor | None, after_forward: bool = False) -> Iterator:
-        """A backward in two steps, at the sizes of the oldest forward still waiting for
-        it (``grad``: this rank's dst cotangent or None; ``after_forward``: a forward
-        runs before it in the same call)."""
-        if self.free and not self._in_flight and not after_forward:
+        """A backward in two steps, at the sizes and batch of the oldest forward still
+        waiting for it (``grad``: this rank's dst cotangent or None; ``after_forward``: a
+        forward runs before it in the same call)."""
+        varies = self._varies
+        if varies and not self._in_flight and not after_forward:
             raise MimoFxError(self._context() + f"rank {self.rank}: a backward with no "
                               f"forward waiting for it; every backward follows its forward")
         posted = None
-        if self.checked and (self._in_flight or not self.free):
+        if self.checked and (self._in_flight or not varies):
             posted = self._backward_header(grad)
         yield None
-        full = self._in_flight.popleft() if self.free else self.fixed
+        full, batch = self._in_flight.popleft() if varies else (self.fixed, {})
         if self.checked and posted is None:  # its forward ran in this very call
-            posted = self._backward_header(grad, full)
-        bwd = self.sizing.programs(full, frozenset())[1]
+            posted = self._backward_header(grad, (full, batch))
+        programs = self._programs(full, frozenset(), None, batch)
         if posted is not None:
             (rows, now, rest), print_ = posted
             self.guard.verdict(rows(), "dst", print_, full, now)
             self._later(rest, lambda got: self.guard.verdict(got, "dst", print_, full))
         else:
-            self.guard.local(grad, "dst", bwd.src_shape, full)
+            self.guard.local(grad, "dst", programs.grad_shape, full)
         grad = self._placeholder(self.dst) if grad is None else grad.detach()
-        yield self._run(1, bwd, grad)
+        yield self._run(1, programs.bwd, grad, programs.env, programs.index)
 
-    def _backward_header(self, grad, full: dict | None = None) -> tuple:
-        if full is None:
-            full = self._in_flight[0] if self.free else self.fixed
-        bwd = self.sizing.programs(full, frozenset())[1]
-        header, print_ = self.guard.header(grad, "dst", bwd.src_shape, full,
+    def _backward_header(self, grad, call: tuple[dict, dict] | None = None) -> tuple:
+        if call is None:
+            call = self._in_flight[0] if self._varies else (self.fixed, {})
+        full, batch = call
+        shape = self._programs(full, frozenset(), None, batch).grad_shape
+        header, print_ = self.guard.header(grad, "dst", shape, full,
                                            self._print(full, "dst"))
         return self._gather_rows(1, header, CHECKS), print_
 
@@ -249,7 +280,7 @@ class Bridge(Redistributor):
         if not self.involved:
             return [None] * len(halves)
         self._settle_checks()
-        steps = [self._forward(h[1], h[2]) if h[0] == "forward"
+        steps = [self._forward(h[1], h[2], h[3]) if h[0] == "forward"
                  else self._backward(h[1], any(g[0] == "forward" for g in halves[:i]))
                  for i, h in enumerate(halves)]
         try:
@@ -261,15 +292,17 @@ class Bridge(Redistributor):
             raise
 
     # -- the calls ----------------------------------------------------------------------
-    def send_forward(self, x: torch.Tensor | None,
-                     sizes: dict | None = None) -> torch.Tensor | None:
-        """Send this rank's src piece; returns what it receives under dst (often empty)."""
-        return self._calls(("forward", x, sizes))[0]
+    def send_forward(self, x: torch.Tensor | None, sizes: dict | None = None, *, src=None,
+                     dst=None) -> torch.Tensor | None:
+        """Send this rank's src piece; returns what it receives under dst (often empty).
+        A row bridge (a packed layout on a side) takes the call's batch as ``src=`` /
+        ``dst=``, as a call of the bridge does; its backward runs at that batch."""
+        return self._calls(("forward", x, sizes, self._layouts(src, dst)))[0]
 
-    def recv_forward(self, x: torch.Tensor | None = None,
-                     sizes: dict | None = None) -> torch.Tensor | None:
+    def recv_forward(self, x: torch.Tensor | None = None, sizes: dict | None = None, *,
+                     src=None, dst=None) -> torch.Tensor | None:
         """This rank's dst piece, as a leaf that requires grad (a stage input)."""
-        y = self._calls(("forward", x, sizes))[0]
+        y = self._calls(("forward", x, sizes, self._layouts(src, dst)))[0]
         return y if y is None else y.requires_grad_(torch.is_floating_point(y))
 
     def send_backward(self, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -282,16 +315,19 @@ class Bridge(Redistributor):
 
     def send_forward_recv_backward(self, x: torch.Tensor | None,
                                    grad: torch.Tensor | None = None,
-                                   sizes: dict | None = None) -> torch.Tensor | None:
+                                   sizes: dict | None = None, *, src=None,
+                                   dst=None) -> torch.Tensor | None:
         """Forward ``x``, then receive the gradient of the oldest forward still waiting
         for one (src side of a 1F1B step)."""
-        return self._calls(("forward", x, sizes), ("backward", grad))[1]
+        return self._calls(("forward", x, sizes, self._layouts(src, dst)),
+                           ("backward", grad))[1]
 
     def send_backward_recv_forward(self, grad: torch.Tensor | None,
                                    x: torch.Tensor | None = None,
-                                   sizes: dict | None = None) -> torch.Tensor | None:
+                                   sizes: dict | None = None, *, src=None,
+                                   dst=None) -> torch.Tensor | None:
         """Send ``grad`` back, then receive the next activation (dst side of a 1F1B step)."""
-        y = self._calls(("backward", grad), ("forward", x, sizes))[1]
+        y = self._calls(("backward", grad), ("forward", x, sizes, self._layouts(src, dst)))[1]
         return y if y is None else y.requires_grad_(torch.is_floating_point(y))
 
     def flush(self) -> None:
@@ -332,3 +368,17 @@ def _dropped(lease: Lease, channels: tuple[Channel, ...]) -> None:
                 keep_alive((work, buffer), work.is_completed)
                 sending = sending or not work.is_completed()
         release_later(lambda: lease.release(abandon=sending))
+
+
+class _Programs:
+    """A call's forward and backward programs at ``full`` sizes and ``batch`` (a row
+    bridge's layouts for the call): the numbers a template or row program runs at
+    (``env``), a row program's index vectors, and the local shapes each side passes."""
+
+    def __init__(self, sizing, full: dict, learned: frozenset, x, batch: dict) -> None:
+        self.fwd, self.bwd, values, *inputs = sizing.programs(full, learned, x, **batch)
+        self.env = None if values is None else dict(zip(sizing.variables, values))
+        self.index = tuple(inputs[0]) if inputs else ()
+        num = Numbers(self.env)
+        self.src_shape = None if self.fwd.src_shape is None else num.all(self.fwd.src_shape)
+        self.grad_shape = None if self.bwd.src_shape is None else num.all(self.bwd.src_shape)

@@ -195,6 +195,9 @@ def _features(rank: int, world: int) -> dict:
     bridge.destroy()
 
     out["pipelined_bridge"] = _pipeline_schedule(rank)
+    out["packed_bridge"] = _packed_schedule(rank, checked=False)
+    out["packed_bridge_checked"] = _packed_schedule(rank, checked=True)
+    out["packed_bridge_batch_differs"] = _packed_batch_differs(rank)
 
     # unprepared groups under torch.compile: a clear error, not a hang
     import torch._dynamo as dynamo
@@ -225,6 +228,86 @@ def _features(rank: int, world: int) -> dict:
     destroy_all()  # idempotent
     out["registry_empty"] = None if live_groups() == 0 else f"{live_groups()} groups left"
     return out
+
+
+# image rows per encoder rank and the packed samples' lengths, per micro-batch
+PACKED = [((3, 2), [5, 6], [0, 1, 2, 7, 8]), ((0, 4), [4, 3, 2], [1, 2, 5, 8]),
+          ((2, 2), [9], [0, 3, 4, 8])]
+
+
+def _packed_schedule(rank: int, checked: bool) -> str | None:
+    """A Bridge from an encoder ragged over dp (ranks 0-1) into packed image tokens over
+    cp (ranks 2-3), every micro-batch its own packing, through the imperative calls in a
+    1F1B order (two forwards in flight): activations and gradients equal full-tensor
+    math (each image row lands on the one cp rank holding its token)."""
+    from mimo_fx.compiled import Bridge
+    from mimo_fx.packed import PackedLayout
+    from mimo_fx.reference import shard
+
+    enc = Layout(Grid(dp=2), "(dp t) h", ragged="dp")
+    llm = Grid(cp=2, offset=2)
+    batches = [PackedLayout(llm, "t h", [lengths]).select(torch.tensor(picks))
+               for _, lengths, picks in PACKED]
+    bridge = Bridge(enc, batches[0], {"h": 3}, torch.float64, checked=checked)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(sum(t), 3, generator=gen, dtype=torch.float64) for t, _, _ in PACKED]
+    gs = [torch.randn(sum(t), 3, generator=gen, dtype=torch.float64) for t, _, _ in PACKED]
+    problems = []
+
+    def expect(i, x, layout, what, got):
+        want = shard(x, layout, t=PACKED[i][0])[rank]
+        if not torch.equal(got, want):
+            problems.append(f"micro-batch {i}: rank {rank} {what} {tuple(got.shape)} "
+                            f"differs from full-tensor math {tuple(want.shape)}")
+
+    if rank < 2:  # encoder: forward 0, then forward i+1 with backward i
+        for i, (t, _, _) in enumerate(PACKED):
+            mine = shard(xs[i], enc, t=t)[rank]
+            if i == 0:
+                bridge.send_forward(mine, {"t": t}, dst=batches[i])
+                continue
+            g = bridge.send_forward_recv_backward(mine, sizes={"t": t}, dst=batches[i])
+            expect(i - 1, gs[i - 1], enc, "gradient", g)
+        expect(len(PACKED) - 1, gs[-1], enc, "gradient", bridge.recv_backward())
+    else:  # LLM: receive 0, then backward i with forward i+1
+        y = bridge.recv_forward(sizes={"t": PACKED[0][0]}, dst=batches[0])
+        for i, (t, _, _) in enumerate(PACKED):
+            expect(i, xs[i], batches[i], "activation", y.detach())
+            g = shard(gs[i], batches[i], t=t)[rank]
+            if i + 1 < len(PACKED):
+                y = bridge.send_backward_recv_forward(g, sizes={"t": PACKED[i + 1][0]},
+                                                      dst=batches[i + 1])
+            else:
+                bridge.send_backward(g)
+    bridge.destroy()
+    return "; ".join(problems) or None
+
+
+def _packed_batch_differs(rank: int) -> str | None:
+    """Rank 3 passes another packing than its peers: every rank raises, naming it."""
+    from mimo_fx.compiled import Bridge
+    from mimo_fx.packed import PackedLayout
+    from mimo_fx.reference import shard
+
+    enc = Layout(Grid(dp=2), "(dp t) h", ragged="dp")
+    picks = torch.tensor([0, 1, 2, 7, 8])
+    a, b = (PackedLayout(Grid(cp=2, offset=2), "t h", [lengths]).select(picks)
+            for lengths in ([5, 6], [6, 5]))
+    bridge = Bridge(enc, a, {"h": 3})
+    try:
+        if rank < 2:
+            bridge.send_forward(shard(torch.randn(5, 3), enc, t=(3, 2))[rank], {"t": (3, 2)},
+                                dst=a)
+            bridge.flush()
+        else:
+            bridge.recv_forward(sizes={"t": (3, 2)}, dst=b if rank == 3 else a)
+    except MimoFxError as err:
+        words = ("made different calls", "ranks [0, 1, 2]", "rank 3")
+        missing = [w for w in words if w not in str(err)]
+        return f"rank {rank}: the error lacks {missing}: {err}" if missing else None
+    finally:
+        bridge.destroy()
+    return f"rank {rank}: no error though rank 3 passed another batch"
 
 
 def _pipeline_schedule(rank: int, microbatches: int = 3) -> str | None:
@@ -304,7 +387,8 @@ def world2(worlds):
 FEATURES = ["aot_eager_eager_matches_math", "aot_eager_graph_breaks",
             "aot_eager_compiled_equals_eager", "comm_dtype", "none_under_compile",
             "none_in_func_warns", "none_off_src", "off_both_grids", "checked_mismatch",
-            "checked_ok_call", "pipelined_bridge",
+            "checked_ok_call", "pipelined_bridge", "packed_bridge", "packed_bridge_checked",
+            "packed_bridge_batch_differs",
             "unprepared_under_compile", "prepared_under_compile", "inferred_under_compile",
             "registry_empty"]
 
