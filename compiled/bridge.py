@@ -51,7 +51,6 @@ from collections.abc import Callable, Iterator
 import torch
 
 from mimo_fx.errors import MimoFxError
-from mimo_fx.rows import is_row_layout
 
 from .comm import Comm
 from .executor import CompiledExecutor, Numbers
@@ -165,12 +164,6 @@ class Bridge(Redistributor):
                 f"same calls in the same order") from None
         return out
 
-    @property
-    def _varies(self) -> bool:
-        """Whether a call's sizes or batch may differ from the last one's (then each
-        backward runs at its forward's, queued in ``_in_flight``)."""
-        return bool(self.free) or self.rows
-
     def _programs(self, full: dict, learned: frozenset, x, batch: dict) -> _Programs:
         return _Programs(self.sizing, full, learned, x, batch)
 
@@ -181,11 +174,9 @@ class Bridge(Redistributor):
         from .guard import fingerprint
 
         row = self.sizing.size_row(x, self.device)
-        if self.rows:
+        data = [b.tolist() for b in self.sizing.batch(batch)]
+        if data:
             values, spec = _flat_sizes(known)
-            data = [lay.data.tolist() for lay in (batch.get("src", self.src),
-                                                  batch.get("dst", self.dst))
-                    if is_row_layout(lay)]
             row[1] = fingerprint(int(row[1]), [int(v) for v in values], spec, data)
         return row
 
@@ -197,7 +188,7 @@ class Bridge(Redistributor):
         given = sizing.given(sizes, {})
         full = {**self.fixed, **given}
         missing = sizing.missing(given)
-        exchange = bool(missing) or self.rows  # the size rows also check the call
+        exchange = sizing.exchanges(missing)  # the size rows also check the call
         if exchange:
             rows, now, rest = self._gather_rows(0, self._size_row(x, full, batch), SIZES)
         elif self.checked:
@@ -215,7 +206,7 @@ class Bridge(Redistributor):
             self._later(rest, lambda got: guard.verdict(got, "src", print_, full))
         else:
             guard.local(x, "src", programs.src_shape, full)
-        if self._varies:
+        if self.sizing.varies:
             self._in_flight.append((full, batch))
         x = self._placeholder(self.src) if x is None else x.detach()
         yield self._run(0, programs.fwd, x, programs.env, programs.index)
@@ -239,7 +230,7 @@ class Bridge(Redistributor):
         """A backward in two steps, at the sizes and batch of the oldest forward still
         waiting for it (``grad``: this rank's dst cotangent or None; ``after_forward``: a
         forward runs before it in the same call)."""
-        varies = self._varies
+        varies = self.sizing.varies
         if varies and not self._in_flight and not after_forward:
             raise MimoFxError(self._context() + f"rank {self.rank}: a backward with no "
                               f"forward waiting for it; every backward follows its forward")
@@ -262,7 +253,7 @@ class Bridge(Redistributor):
 
     def _backward_header(self, grad, call: tuple[dict, dict] | None = None) -> tuple:
         if call is None:
-            call = self._in_flight[0] if self._varies else (self.fixed, {})
+            call = self._in_flight[0] if self.sizing.varies else (self.fixed, {})
         full, batch = call
         shape = self._programs(full, frozenset(), None, batch).grad_shape
         header, print_ = self.guard.header(grad, "dst", shape, full,

@@ -121,7 +121,7 @@ class Redistributor:
             SOURCE_ONLY.setdefault(self.name, None)
         self.executor = CompiledExecutor(self.lease.comm(fwd), comm_dtype,
                                          self.lease.comm(bwd), self.name)
-        needs_check_comm = (checked or self.free or self.rows) and checks and self.involved
+        needs_check_comm = (checked or self.sizing.varies) and checks and self.involved
         self._check_comm = self.lease.comm(CHECK) if needs_check_comm else None
         key = (src, dst, sorted(self.fixed.items()), str(opts.dtype), opts.grad_partial,
                str(comm_dtype), self.name)
@@ -141,7 +141,7 @@ class Redistributor:
         # agreed on, the sizes) -- the same call again learns nothing and checks nothing new
         self._given_last: tuple | None = None
         # nothing to move either way: a call returns its input (a view of it)
-        self._identity = (not self.free and not self.rows and self.sizing.fwd_program.identity
+        self._identity = (not self.sizing.varies and self.sizing.fwd_program.identity
                           and self.sizing.bwd_program.identity)
 
     def _agree(self) -> None:
@@ -156,7 +156,7 @@ class Redistributor:
 
     def _require_compiler(self) -> None:
         """The compiler settings this bridge's traced calls need."""
-        if self.free or self.rows:
+        if self.sizing.varies:
             # the size exchange's rows, a route's counts: read back as ints (.tolist());
             # a row backward's per-row sums, a ragged dim's pieces and their gradients:
             # tensors of run-time length, zero on some ranks
@@ -398,7 +398,7 @@ class Redistributor:
         bridge whose sizes or batch vary exchanges size rows on every call, learning
         what is missing and checking what is given (the rows carry its digest): ranks
         that give different sizes or batches raise, never pair mismatched data."""
-        if not self.free and not self.rows:
+        if not self.sizing.varies:
             if sizes is not None or dim_sizes:
                 self.sizing.given(sizes, dim_sizes)
             return self.fixed, frozenset()
@@ -407,7 +407,7 @@ class Redistributor:
         missing = self.sizing.missing(given)
         if len(self.union) == 1:
             return full, frozenset()
-        if not missing and not self.rows and not torch.compiler.is_compiling():
+        if not self.sizing.exchanges(missing) and not torch.compiler.is_compiling():
             key = (None if x is None else tuple(x.shape), tuple(full.items()))
             last = self._given_last
             if last is not None and last[0] == key and last[1] is self._agreed:
@@ -429,8 +429,7 @@ class Redistributor:
         ``torch.compile`` the exchange is an ordered op that also judges the rows when
         the graph runs, raising the eager call's error on every rank."""
         row = self.sizing.size_row(x, self.device)
-        batch = [lay.data for lay in (layouts.get("src", self.src), layouts.get("dst", self.dst))
-                 if is_row_layout(lay)]
+        batch = self.sizing.batch(layouts)
         values, spec = _flat_sizes(known)
         if torch.compiler.is_compiling():
             rows = _EXCHANGE(row, values, batch, self.name, spec)

@@ -83,6 +83,17 @@ class RowSizing(CallSizes):
         _ROWS[self.name] = self
 
     # -- a call's sizes (given, missing: CallSizes) ----------------------------------------
+    def batch(self, layouts: dict) -> list[torch.Tensor]:
+        return [lay.data for lay in (layouts.get("src", self.src), layouts.get("dst", self.dst))
+                if is_row_layout(lay)]
+
+    @property
+    def varies(self) -> bool:
+        return True  # every call may bring another batch
+
+    def exchanges(self, missing: tuple) -> bool:
+        return True  # the exchange checks the batch every rank passed
+
     def size_row(self, x, device) -> torch.Tensor:
         from .guard import int_tensor
         from .learn import Row

@@ -70,6 +70,21 @@ class CallSizes:
         """The free dims a call with ``given`` sizes must learn."""
         return tuple(d for d in self.free if d not in given)
 
+    def batch(self, layouts: dict) -> list[torch.Tensor]:
+        """The data of a call's batch (``layouts``: what it passed as ``src=``/``dst=``),
+        which its size row's fingerprint folds in; empty where layouts carry no batch."""
+        return []
+
+    @property
+    def varies(self) -> bool:
+        """Whether a call may move other sizes or another batch than the last one."""
+        return bool(self.free)
+
+    def exchanges(self, missing: tuple) -> bool:
+        """Whether a call missing ``missing`` sizes exchanges size rows (which also
+        check it on every rank)."""
+        return bool(missing)
+
 
 class Sizing(CallSizes):
     """Sizes and programs of one ``src -> dst`` bridge for ``rank`` (see the module
