@@ -81,7 +81,7 @@ class Redistributor:
             the other's.
     """
 
-    _agreed: tuple | None  # the last size exchange: (this rank's row, rows)
+    _agreed: tuple | None  # the last size exchange: (this rank's row, rows, sizes)
 
     def __init__(self, src: Layout, dst: Layout, sizes: dict | None = None,
                  dtype=torch.float32, *, grad_partial=(), comm_dtype=None,
@@ -431,10 +431,9 @@ class Redistributor:
         row = self.sizing.size_row(x, self.device)
         batch = self.sizing.batch(layouts)
         values, spec = _flat_sizes(known)
-        if torch.compiler.is_compiling():
-            rows = _EXCHANGE(row, values, batch, self.name, spec)
-        else:
-            rows = _exchange_impl(row, values, batch, self.name, spec)
+        if not torch.compiler.is_compiling():  # (the exchange learns them as it judges)
+            return _exchange_eager(self, row, values, batch, spec)[1]
+        rows = _EXCHANGE(row, values, batch, self.name, spec)
         return self.sizing.sizes_from(rows.view(len(self.union), -1), known)
 
     def _exchange_rows(self, row: torch.Tensor) -> torch.Tensor:
@@ -621,7 +620,12 @@ def _exchange_impl(row: torch.Tensor, known, batch, bridge: str, spec: str) -> t
     """Every rank's size row, its fingerprint folding in the sizes the call gives and
     its batch, judged as an eager call judges them (the same error on every rank for a
     bad one)."""
-    self = _BY_NAME[bridge]
+    return _exchange_eager(_BY_NAME[bridge], row, known, batch, spec)[0]
+
+
+def _exchange_eager(self: Redistributor, row: torch.Tensor, known, batch,
+                    spec: str) -> tuple[torch.Tensor, dict]:
+    """:func:`_exchange_impl`'s rows, and every size they give."""
     known = [int(v) for v in known]
     mine = row.clone()
     mine[1] = fingerprint(int(mine[1]), known, spec, [b.tolist() for b in batch])
@@ -632,12 +636,12 @@ def _exchange_impl(row: torch.Tensor, known, batch, bridge: str, spec: str) -> t
         # every size given, as in the last exchange, whose rows agreed: nothing to learn
         # and nothing new to check (a rank whose sizes changed exchanges alone and times
         # out naming the exchange, and its peers time out in their data transfer)
-        return agreed[1].clone()
+        return agreed[1].clone(), dict(agreed[2])
     rows = self._exchange_rows(mine)
-    self.sizing.sizes_from(rows, sizes)
+    learned = self.sizing.sizes_from(rows, sizes)
     out = rows.reshape(-1).clone()
-    self._agreed = (key, out)
-    return out.clone()
+    self._agreed = (key, out, learned)
+    return out.clone(), dict(learned)
 
 
 _LIB = torch.library.Library("mimo_fx", "FRAGMENT")
