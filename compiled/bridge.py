@@ -56,7 +56,7 @@ from .comm import Comm
 from .executor import CompiledExecutor, Numbers
 from .lease import Lease, keep_alive, release_later
 from .p2p import CHECKS, SIZES, Channel, Routed
-from .redistributor import Redistributor, _flat_sizes, placeholder
+from .redistributor import Redistributor, _flat_sizes, fold_call, placeholder
 from .timeouts import cause, wait_time
 
 __all__ = ["Bridge"]
@@ -171,13 +171,11 @@ class Bridge(Redistributor):
         """This rank's size row; a row bridge's fingerprint folds in the sizes given and
         the call's batch, so ranks that pass different batches raise, as in a call of
         the bridge itself."""
-        from .guard import fingerprint
-
         row = self.sizing.size_row(x, self.device)
-        data = [b.tolist() for b in self.sizing.batch(batch)]
+        data = self.sizing.batch(batch)
         if data:
             values, spec = _flat_sizes(known)
-            row[1] = fingerprint(int(row[1]), [int(v) for v in values], spec, data)
+            fold_call(row, values, spec, data)
         return row
 
     def _forward(self, x: torch.Tensor | None, sizes: dict | None, batch: dict) -> Iterator:

@@ -616,6 +616,15 @@ def _read_sizes(values: list, spec: str) -> dict:
     return out
 
 
+def fold_call(row: torch.Tensor, known, spec: str, batch) -> torch.Tensor:
+    """``row`` (a size row), its fingerprint folding in the sizes a call gives
+    (``known``, flat as :func:`_flat_sizes` makes them, with their ``spec``) and its
+    batch's data: ranks whose calls differ in either send different rows."""
+    row[1] = fingerprint(int(row[1]), [int(v) for v in known], spec,
+                         [b.tolist() for b in batch])
+    return row
+
+
 def _exchange_impl(row: torch.Tensor, known, batch, bridge: str, spec: str) -> torch.Tensor:
     """Every rank's size row, its fingerprint folding in the sizes the call gives and
     its batch, judged as an eager call judges them (the same error on every rank for a
@@ -627,8 +636,7 @@ def _exchange_eager(self: Redistributor, row: torch.Tensor, known, batch,
                     spec: str) -> tuple[torch.Tensor, dict]:
     """:func:`_exchange_impl`'s rows, and every size they give."""
     known = [int(v) for v in known]
-    mine = row.clone()
-    mine[1] = fingerprint(int(mine[1]), known, spec, [b.tolist() for b in batch])
+    mine = fold_call(row.clone(), known, spec, batch)
     sizes = _read_sizes(known, spec)
     key = (tuple(mine.tolist()), spec)
     agreed = self._agreed
