@@ -37,6 +37,8 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(job, *tensors):
         executor, fwd, _, variables, values, n_aux = job
+        if values is not None and torch.compiler.is_compiling():
+            _read(values)
         env = _env(variables, values)
         if not n_aux:
             return tuple(executor.run(fwd, tensors, env, direction="forward"))
@@ -66,6 +68,16 @@ class _Redistribute(torch.autograd.Function):
         # empty tensor it passed)
         out = tuple(_like_input(g, s) for g, s in zip(out, ctx.shapes))
         return (None, *out, *(None,) * n_aux)
+
+
+def _read(values: tuple) -> None:
+    """Read every size value in the forward being traced. The backward's program reads
+    them too, and Dynamo passes what a backward reads from outside as outputs of the
+    forward's graph: one the forward never read is no node of that graph, and tracing
+    fails ("Argument ... does not belong to this Graph"; e.g. a sender's own count, read
+    only by the program that receives its gradient)."""
+    for v in values:
+        v + 1  # (an expression Dynamo cannot fold away)
 
 
 def _like_input(g: torch.Tensor, shape) -> torch.Tensor:

@@ -320,6 +320,9 @@ def _item3(rank: int, world: int) -> dict:
                 lambda p=placement, s=shapes: _dtensor_loop(rank, p, s, "aot_eager"))
     out["shard/even/inductor"] = _attempt(lambda: _dtensor_loop(rank, "shard", EVEN[:3],
                                                                 "inductor"))
+    for placement in ("shard", "replicate"):  # every size symbolic from the first call
+        out[f"{placement}/even/dynamic"] = _attempt(
+            lambda p=placement: _dtensor_loop(rank, p, EVEN, "aot_eager", dynamic=True))
     mimo_fx.compiled.destroy()
     return out
 
@@ -334,7 +337,8 @@ def item3(worlds):
 
 
 @pytest.mark.parametrize("case", ["shard/even", "replicate/even", "shard/uneven",
-                                  "replicate/uneven", "shard/even/inductor"])
+                                  "replicate/uneven", "shard/even/inductor",
+                                  "shard/even/dynamic", "replicate/even/dynamic"])
 def test_redistribute_dtensor_across_disjoint_meshes_as_shapes_change(item3, case):
     for rank, res in enumerate(item3):
         rec = res[case]
@@ -346,6 +350,13 @@ def test_redistribute_dtensor_across_disjoint_meshes_as_shapes_change(item3, cas
 def test_even_shapes_compile_at_most_two_graphs_per_rank(item3, case):
     # the first shape static, the second makes the shape dynamic: one graph serves the rest
     assert [res[case]["right"]["graphs"] for res in item3] == [2] * 4
+
+
+@pytest.mark.parametrize("case", ["shard/even/dynamic", "replicate/even/dynamic"])
+def test_dynamic_true_compiles_one_graph_per_rank(item3, case):
+    # torch.compile(dynamic=True): every size symbolic from the first call (a replicated
+    # destination's source ranks once failed to trace its backward's sizes)
+    assert [res[case]["right"]["graphs"] for res in item3] == [1] * 4
 
 
 @pytest.mark.parametrize("case", ["shard/uneven", "replicate/uneven"])
