@@ -16,9 +16,10 @@ How a plan is built:
    piece from one holder: the receiver's own replica when it is on the src grid, else
    the holder its index among the piece's readers names (``mimo_fx.exchange``). When
    the grids are disjoint and dst replicates over some axes, each replica first takes a
-   1/k share (phase one)...
-3. *Gather*: ...and the replicas all-gather their shares (phase two), so a piece several
-   replicas need crosses between the grids once.
+   1/k share (round one)...
+3. *Gather*: ...and the replicas all-gather their shares (round two), so a piece several
+   replicas need crosses between the grids once. A small exchange goes in one round
+   instead, each replica taking its whole piece (:func:`_one_round`).
 4. The executor assembles every dst rank's local tensor from what it holds.
 
 An exchange whose transfers form disjoint all-gather groups is issued as all-gathers;
@@ -541,8 +542,9 @@ def plan(src: Layout, dst: Layout, sizes: Mapping[str, Size], dtype=None, *,
     dim's size is its tuple of counts).
 
     ``dtype`` is anything with an ``itemsize`` (a ``torch.dtype``); default 4 bytes.
-    ``all_to_all``: issue an exchange that forms all-gathers as one all-to-all over the
-    union instead (for a caller without those groups' process groups). Pure and cached:
+    ``all_to_all``: issue an exchange that forms all-gathers, or gathers among dst
+    replicas after it, as one all-to-all over the union instead (for a caller without
+    those groups' process groups). Pure and cached:
     equal arguments return the same object.
     """
     from .rows import is_row_layout, plan_layouts
@@ -804,10 +806,11 @@ def _frame(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...],
     ragged = frozenset(src.ragged_dims) | frozenset(dst.ragged_dims)
     k = prod(dst.grid.axis_size(a) for a in gather_axes)
     phase_dim = _share_dim(need, dst, k, ragged)
-    if _disjoint(src, dst) and k > 1 and phase_dim is not None:
+    if (_disjoint(src, dst) and k > 1 and phase_dim is not None and not all_to_all
+            and (reduce_axes or not _one_round(src, dst, dims, size_map, kept))):
         want = need.refine(phase_dim, gather_axes)
-    else:  # (with only ragged dims, every replica takes the whole box)
-        gather_axes = ()
+    else:  # (every dim ragged, a small exchange, or one all-to-all over the union asked
+        gather_axes = ()  # for: each dst rank takes its whole box in one round)
     cut = _reduce_dim(src, dst, hold, want, reduce_axes) if reduce_axes else None
     if cut is not None:
         hold = hold.refine(cut, reduce_axes)
@@ -819,6 +822,40 @@ def _frame(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...],
              and _fusable(before, want, cut, reduce_axes))
     return _Frame(src, dst, dims, before, hold, need, geometry, reduce_axes, gather_axes, kind,
                   fused)
+
+
+ONE_ROUND_ELEMENTS = 1 << 16  # an exchange up to this many elements per receiver: one round
+ONE_ROUND_SAMPLE = 256  # src and dst holders whose traffic decides one round or two
+
+
+def _one_round(src: Layout, dst: Layout, dims: tuple[str, ...], sizes: Mapping[str, Size],
+               kept: tuple[str, ...]) -> bool:
+    """Whether an exchange across disjoint grids that several dst replicas need goes in
+    one round, every dst rank taking its whole piece from the src holders, rather than
+    two (a share from them, then the rest all-gathered among the replicas, so that each
+    element crosses once). Both give every receiver the same bytes, the lower bound.
+    Two rounds spare the link between the grids; one saves a round trip and a
+    collective, which is most of the time of a small exchange. One round is taken when
+    the busiest receiver takes at most ``ONE_ROUND_ELEMENTS`` and no sender sends more
+    than it. Decided at even sizes (a ragged dim's counts equal), so that the sizes of a
+    bridge whose sizes change share its template's structure, on the first
+    ``ONE_ROUND_SAMPLE`` holders of each side (grids repeat their pattern along their
+    outer axes)."""
+    even = {d: _even_counts(sizes[d]) for d in dims}
+    geometry = Geometry(Tiling.of(src, dims, even), Tiling.of(dst, dims, even), kept)
+    recv = max(sum(box_volume(t.box) for t in geometry.receives(r))
+               for r in dst.holders[:ONE_ROUND_SAMPLE])
+    if recv > ONE_ROUND_ELEMENTS:
+        return False
+    return all(sum(box_volume(t.box) for t in geometry.sends(r)) <= recv
+               for r in src.holders[:ONE_ROUND_SAMPLE])
+
+
+def _even_counts(size: Size) -> Size:
+    """``size``; a ragged dim's counts made equal (their mean, at least 1)."""
+    if not isinstance(size, tuple):
+        return size
+    return (max(1, sum(size) // len(size)),) * len(size)
 
 
 def _longest_dim(tiling: Tiling, rank: int, ragged: frozenset[str] = frozenset()) -> str | None:

@@ -5,8 +5,8 @@ dim, each owned by a coordinate of the axes that shard that dim. A rank holds, o
 dim, the intervals whose owner matches its coordinate; its region is the product of those
 interval lists (one box for plain sharding, several for zigzag). Tilings come from
 layouts and can be *refined*: each interval of one dim cut further over extra axes, which
-is how the planner describes a partial reduce-scatter's output or the first phase of a
-two-phase transfer.
+is how the planner describes a partial reduce-scatter's output or the first round of a
+two-round exchange.
 
 A box is a tuple of ``(start, stop)`` per dim, in the plan's canonical dim order.
 """

@@ -6,11 +6,16 @@ function after another (:class:`mimo_fx.testing.Worlds`; tests/README.md says wh
 tests still spawn their own world and why). The terminal summary says how many worlds
 were spawned, how many functions each ran and what ended them.
 
+``two_rounds``: plans whose exchanges across disjoint grids always take two rounds (the
+tests' sizes are small enough for one), for tests of the two-round structure.
+
 ``touched_modules``: the library modules the run touched (:mod:`mimo_fx.testing.touched`)
 for ``tests/test_touched.py``, which runs last.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 
@@ -34,6 +39,17 @@ def worlds():
     _POOLS.append(pool)
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def two_rounds(monkeypatch):
+    """Plans whose exchanges across disjoint grids are never small enough for one round
+    (the planner's two-round structure, at the small sizes tests use)."""
+    plan_module = importlib.import_module("mimo_fx.plan")  # (mimo_fx.plan is the function)
+    plan_module.clear_caches()
+    monkeypatch.setattr(plan_module, "ONE_ROUND_ELEMENTS", 0)
+    yield
+    plan_module.clear_caches()
 
 
 @pytest.fixture

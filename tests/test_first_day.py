@@ -420,9 +420,10 @@ def test_debug_logs_every_call(worlds):
         for k in range(calls):  # every byte sent is received
             per_rank = [moved(out[kind][k]) for out in results]
             assert sum(s for s, _ in per_rank) == sum(g for _, g in per_rank), per_rank
-    # the encoder ranks send each of their rows of 4 float32 once (3 and 1, then 0 and 2)
+    # a small exchange goes in one round: the encoder ranks send each of their rows of 4
+    # float32 to both LM ranks, which replicate t (3 and 1 rows, then 0 and 2)
     assert [moved(results[r]["ragged"][k])[0] for k in (0, 1) for r in (0, 1)] == \
-        [48, 16, 0, 32]
+        [2 * 4 * 4 * n for n in (3, 1, 0, 2)]
     # the fixed bridge: rank 0 holds 2 rows x 4, sends 2 columns of them to each LLM rank
     assert moved(results[0]["fixed"][0]) == (32, 0)
     assert moved(results[2]["free"][1]) == (0, 16)  # b=2: 2 rows x 2 columns

@@ -4,12 +4,15 @@
 - every rank receives exactly its lower bound (bytes it needs and does not hold),
   computed here independently from ``shard_index``;
 - partial inputs cost no more than the bandwidth-optimal reduce-scatter / all-reduce;
-- across disjoint grids each element crosses once;
+- across disjoint grids each element crosses once, unless the exchange is small: then
+  every dst replica takes its piece in one round, no sender sending more than the
+  busiest receiver takes;
 - the collectives are the ones the case calls for.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
 
 import pytest
@@ -18,11 +21,12 @@ from cases import CASES, RAGGED, Case, by_name, case_ids
 from harness import box_mask, index_mask, received
 
 from mimo_fx import Collective, Grid, Layout, plan
-from mimo_fx.plan import Exchange, Reduce
+from mimo_fx.plan import Exchange, Gather, Reduce
 from mimo_fx.plan import _plan as plan_cache
 from mimo_fx.regions import box_volume
 
 ITEM = 4  # float32
+plan_module = importlib.import_module("mimo_fx.plan")  # (the package's ``plan`` is the function)
 
 
 @pytest.mark.parametrize("case", CASES + RAGGED, ids=case_ids(CASES + RAGGED))
@@ -55,7 +59,7 @@ DISJOINT = [c for c in CASES + RAGGED if "disjoint" in c.tags]
 
 
 @pytest.mark.parametrize("case", DISJOINT, ids=case_ids(DISJOINT))
-def test_disjoint_grids_each_element_crosses_once(case: Case):
+def test_disjoint_grids_each_element_crosses_once(case: Case, two_rounds):
     p = plan(case.src, case.dst, case.sizes)
     src_ranks = set(case.src.grid.ranks)
     crossing = 0
@@ -78,7 +82,8 @@ def test_disjoint_grids_each_element_crosses_once(case: Case):
     (64, dict(tp=2, cp=2), "(dp b) (cp s) h", ("cp",)),
     (128, dict(tp=2, cp=2), "(dp b) (cp s) h", ("cp",)),
 ])
-def test_disjoint_senders_share_the_exchange_evenly(n, dst_grid, dst_pattern, zigzag):
+def test_disjoint_senders_share_the_exchange_evenly(n, dst_grid, dst_pattern, zigzag,
+                                                    two_rounds):
     """Pipelined TP2 x DP(n/4) -> dst x DP(n/8) on the other half: each src TP pair holds
     the same samples, so the bytes crossing should leave from all src ranks alike, not
     from one rank of each pair (which would double the slowest sender's time)."""
@@ -93,6 +98,48 @@ def test_disjoint_senders_share_the_exchange_evenly(n, dst_grid, dst_pattern, zi
     total = sizes["b"] * sizes["s"] * sizes["h"]  # every element crosses once
     assert sum(sent.values()) == total
     assert max(sent.values()) == min(sent.values()) == total // len(sent)
+
+
+REPLICATED_DISJOINT = [c for c in DISJOINT if "ragged" not in c.tags]
+
+
+@pytest.mark.parametrize("case", REPLICATED_DISJOINT, ids=case_ids(REPLICATED_DISJOINT))
+def test_a_small_exchange_across_disjoint_grids_takes_one_round(case: Case):
+    """The table's exchanges are small. Where two rounds would gather among dst replicas,
+    the plan takes one round instead exactly when one round's busiest sender sends no
+    more than its busiest receiver takes (the one-round plan: ``all_to_all=True``); its
+    receivers still take their lower bound, as every plan's do."""
+    p = plan(case.src, case.dst, case.sizes)
+    one = plan(case.src, case.dst, case.sizes, all_to_all=True)
+    plan_module.clear_caches()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan_module, "ONE_ROUND_ELEMENTS", 0)
+        two = plan(case.src, case.dst, case.sizes)
+    plan_module.clear_caches()
+    if not any(isinstance(s, Gather) for s in two.steps[1:]):
+        return  # (no replicas to gather among: one plan either way)
+    took_one = not any(isinstance(s, Gather) for s in p.steps[1:])
+    assert took_one == (one.max_sent <= one.max_recv), f"{p}\none round:\n{one}"
+    assert p.max_recv == two.max_recv == p.max_lower_bound
+
+
+@pytest.mark.parametrize("elements, rounds", [(4096, 1), (4097, 2)])
+def test_one_round_up_to_the_threshold_then_two(elements, rounds, monkeypatch):
+    """VLM-like: two encoder ranks, each holding half the rows, to a TP2 pair that needs
+    every row (``h`` = 64, so a receiver takes ``64 * t`` elements)."""
+    plan_module.clear_caches()
+    monkeypatch.setattr(plan_module, "ONE_ROUND_ELEMENTS", 4096)
+    try:
+        src = Layout(Grid(dp=2), "(dp t) h")
+        dst = Layout(Grid(tp=2, offset=2), "t h")
+        t = 64 if elements == 4096 else 66
+        p = plan(src, dst, {"t": t, "h": 64})
+        assert len(p.steps) == rounds, str(p)
+        assert p.max_recv == p.max_lower_bound == 4 * 64 * t
+        if rounds == 2:
+            assert isinstance(p.steps[1], Gather) and p.max_sent < p.max_recv
+    finally:
+        plan_module.clear_caches()
 
 
 EXPECTED_KINDS = {

@@ -144,14 +144,23 @@ def test_fixed_dims_are_constants_and_only_free_ones_vary():
     assert not lowering.symbolic(lowering.at(program, t.env({"b": 8, "s": 40, "h": 6})))
 
 
-def test_template_granules_follow_the_planner_s_own_cuts():
-    """Disjoint grids with dst replicas: each replica takes a share of the dst piece's
-    outermost dim that splits evenly (b: a share is then a contiguous run of the piece)
-    and gathers the rest, so b's granule doubles and s's is zigzag CP's alone."""
+def test_template_granules_follow_the_planner_s_own_cuts(two_rounds):
+    """Disjoint grids with dst replicas, in two rounds: each replica takes a share of the
+    dst piece's outermost dim that splits evenly (b: a share is then a contiguous run of
+    the piece) and gathers the rest, so b's granule doubles and s's is zigzag CP's alone."""
     src = Layout(Grid(tp=2, dp=2), "(dp b) s h")
     dst = Layout(Grid(tp=2, cp=2, offset=4), "b (cp s) h", zigzag="cp")
     t = Template.build(src, dst, {"b": 4, "s": 16, "h": 64}, 4, (), free=("b", "s"))
     assert t.granules == {"b": 4, "s": 4}
+
+
+def test_template_granules_of_one_round_are_the_layouts_own():
+    """The same bridge in one round (its exchange is small): no share is cut, so b's
+    granule is the src DP's alone."""
+    src = Layout(Grid(tp=2, dp=2), "(dp b) s h")
+    dst = Layout(Grid(tp=2, cp=2, offset=4), "b (cp s) h", zigzag="cp")
+    t = Template.build(src, dst, {"b": 4, "s": 16, "h": 64}, 4, (), free=("b", "s"))
+    assert t.granules == {"b": 2, "s": 4}
 
 
 def test_polynomials_decide_only_what_holds_for_every_size():

@@ -35,6 +35,12 @@ SIZES = {"b": 8, "s": 4, "h": 6}
 def test_the_plan_names_the_groups_that_exchange_data():
     text = str(plan(*PIPE, SIZES))
     assert "all_to_all as messages in (0,4) (1,5) (2,6) (3,7) of 8 ranks" in text, text
+    assert "all_gather" not in text, text  # a small exchange: one round
+
+
+def test_in_two_rounds_the_shares_are_contiguous_runs(two_rounds):
+    text = str(plan(*PIPE, SIZES))
+    assert "all_to_all as messages in (0,4) (1,5) (2,6) (3,7) of 8 ranks" in text, text
     # the shares are cut along b, the dst piece's outermost dim: contiguous runs
     assert "shares b[0:2] | b[2:4]" in text, text
 
