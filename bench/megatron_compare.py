@@ -70,6 +70,7 @@ B, H = 8, 256
 SIZES = (64 << 10, 1 << 20, 16 << 20)          # bytes of X
 QUICK_SIZES = (64 << 10, 1 << 20)
 ITERS, WARMUP = 21, 3
+SMALL, SMALL_ITERS = 1 << 20, 61  # up to 1 MiB a call is milliseconds of scheduling noise
 QUICK_ITERS, QUICK_WARMUP = 5, 2
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "mimo_fx", "megatron")
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -318,8 +319,9 @@ def _case(rank: int, case: Case, nbytes: int, iters: int, warmup: int, mods: dic
         torch._dynamo.reset()
 
 
-def _bench(rank: int, world: int, root: str, sizes: tuple[int, ...], iters: int, warmup: int,
-           compile_backend: str, backend: str):
+def _bench(rank: int, world: int, root: str, sizes: tuple[int, ...], iters: tuple[int, int],
+           warmup: int, compile_backend: str, backend: str):
+    """Every case at every size; ``iters``: timed calls above ``SMALL`` bytes, and up to it."""
     if backend == "gloo":
         _on_cpu()
     mods = _load_megatron(root)
@@ -328,7 +330,8 @@ def _bench(rank: int, world: int, root: str, sizes: tuple[int, ...], iters: int,
     for case in CASES:
         for nbytes in sizes:
             start = time.perf_counter()
-            rows.append(_case(rank, case, nbytes, iters, warmup, mods, compile_backend))
+            calls = iters[1] if nbytes <= SMALL else iters[0]
+            rows.append(_case(rank, case, nbytes, calls, warmup, mods, compile_backend))
             if rank == 0:
                 print(f"  [{len(rows)}/{total}] {case.name}, {_size(nbytes)}: "
                       f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
@@ -385,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = _megatron_root(args.megatron, args.fetch)
     iters = args.iters or (QUICK_ITERS if args.quick else ITERS)
+    small_iters = args.iters or (QUICK_ITERS if args.quick else SMALL_ITERS)
     warmup = QUICK_WARMUP if args.quick else WARMUP
     sizes = tuple(k << 10 for k in args.sizes) if args.sizes else (
         QUICK_SIZES if args.quick else SIZES)
@@ -392,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"mimo_fx vs Megatron-Core {_version(root)}'s bridge communicators: {WORLD} "
         f"{args.backend} ranks, float32, forward + backward per call; X = {B} x s x {H}; "
-        f"median of {iters} timed calls ({warmup} warm-up), variants interleaved, barrier "
+        f"median of {iters} timed calls ({small_iters} up to {_size(SMALL)}; {warmup} "
+        f"warm-up), variants interleaved, barrier "
         f"before each; max over ranks; compiled: torch.compile(backend="
         f"{args.compile_backend!r}, fullgraph=True)",
         f"machine: {os.cpu_count()} CPUs, load average before {load}; torch "
@@ -400,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print("\n".join(lines) + "\n", flush=True)
     start = time.perf_counter()
-    rows = run_world(WORLD, _bench, root, sizes, iters, warmup, args.compile_backend,
+    rows = run_world(WORLD, _bench, root, sizes, (iters, small_iters), warmup,
+                     args.compile_backend,
                      args.backend, timeout=args.timeout, backend=args.backend)[0]
     text = report(rows, sizes)
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
