@@ -35,6 +35,8 @@ Runs, one after the other so they do not disturb each other's timings:
    (``--before PATH``, passed on), and what checked mode and the per-collective naming
    cost now -> ``versions.txt``. Without ``--before`` it measures this tree alone and
    writes nothing.
+11. ``gather_messages.py``: an all-gather of one row per rank on 4 and 8 gloo ranks,
+   through the group's first member, direct, and gloo's own -> ``gather_messages.txt``.
 
 Each results file starts with the command, the date and the machine (CPUs, load
 average, torch); the load matters: 8 processes on a busy 2-core machine time noise.
@@ -65,6 +67,7 @@ SUITE = (
     ("overlap.py", "overlap.txt"),
     ("overlap.py --ranks 2", "overlap_2.txt"),
     ("versions.py", None),  # writes versions.txt itself, given --before
+    ("gather_messages.py", "gather_messages.txt"),
 )
 
 

@@ -163,7 +163,7 @@ def _comm_op(kind: Collective, params: str, run, fake, args, compute,
         def guarded(*args):
             *rest, site = args
             try:
-                out = run(*rest)
+                out = run(*rest, site=site)
             except RuntimeError as err:
                 raise timeouts.failed(site, kind, err) from None
             if isinstance(out, tuple):  # posted messages: waited by wait_tensor
@@ -266,12 +266,13 @@ def _journal(*record) -> None:
 
 
 def _post(kind: Collective, name: str, flat: torch.Tensor, out: torch.Tensor, sends: list,
-          recvs: list) -> list:
+          recvs: list, journal: bool = True) -> list:
     """Send ``(group rank, tensor)`` pairs and receive into the ``recvs`` tensors; the
     works to wait for (a rank waits for its own sends too: their buffers may be views of
-    what the caller reuses). The op is journaled (:data:`JOURNAL`) when recording."""
+    what the caller reuses). The op is journaled (:data:`JOURNAL`) when recording, unless
+    ``journal`` is False (an op posted in parts journals itself)."""
     pg, coalesce, members = _group(name)
-    if recording():
+    if journal and recording():
         _journal(kind, members, flat.numel(), out.numel(),
                  tuple((members[j], t.numel()) for j, t in sends),
                  tuple((members[j], t.numel()) for j, t in recvs))
@@ -337,7 +338,16 @@ def _exchange_messages(flat: torch.Tensor, out_splits, in_splits, name: str
     return out, _post(Collective.ALL_TO_ALL, name, flat, out, sends, recvs), len(sends)
 
 
-def _gather_messages(flat: torch.Tensor, n: int, name: str
+# An all-gather of small rows among ROOTED_MEMBERS or more goes through its first member:
+# the rows in, then the whole out, 2(n - 1) messages in two hops instead of n(n - 1) in
+# one. Latency-bound, the message count is the cost: 4 and 8 gloo processes on 2 cores,
+# rows of 64 B to 16 KiB took 0.4-0.6x the direct messages' time, 128 KiB 0.9-1.0x, 1 MiB
+# 1.2-1.4x (bench/gather_messages.py). Size rows and check headers are such rows.
+ROOTED_MEMBERS = 4
+ROOTED_BYTES = 64 << 10  # a member's row at most this
+
+
+def _gather_messages(flat: torch.Tensor, n: int, name: str, site: str = ""
                      ) -> tuple[torch.Tensor, list, int]:
     """An all-gather posted as messages: its output buffer, the works to wait for (its
     sends first) and how many of them are sends."""
@@ -346,9 +356,32 @@ def _gather_messages(flat: torch.Tensor, n: int, name: str
     out = flat.new_empty(n * flat.numel())
     rows = out.view(n, flat.numel())
     rows[me].copy_(flat)
+    if n >= ROOTED_MEMBERS and flat.numel() * flat.element_size() <= ROOTED_BYTES:
+        return _rooted(flat, out, rows, me, name, site)
     return out, _post(Collective.ALL_GATHER, name, flat, out,
                       [(j, flat) for j in range(n) if j != me],
                       [(j, rows[j]) for j in range(n) if j != me]), n - 1
+
+
+def _rooted(flat: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, me: int, name: str,
+            site: str) -> tuple[torch.Tensor, list, int]:
+    """:func:`_gather_messages` through member 0: a member sends it its row and receives
+    the whole; member 0 waits for every row, then sends the whole (so its post waits: a
+    member posts an op's messages in program order, so every row of this op comes). One
+    journal record per member, its messages as posted."""
+    n = rows.shape[0]
+    if me:
+        return out, _post(Collective.ALL_GATHER, name, flat, out, [(0, flat)], [(0, out)]), 1
+    if recording():
+        members = _group(name)[2]
+        _journal(Collective.ALL_GATHER, members, flat.numel(), out.numel(),
+                 tuple((members[j], out.numel()) for j in range(1, n)),
+                 tuple((members[j], flat.numel()) for j in range(1, n)))
+    recvs = [(j, rows[j]) for j in range(1, n)]
+    wait_all(_post(Collective.ALL_GATHER, name, flat, out, [], recvs, journal=False), site,
+             Collective.ALL_GATHER)
+    sends = [(j, out) for j in range(1, n)]
+    return out, _post(Collective.ALL_GATHER, name, flat, out, sends, [], journal=False), n - 1
 
 
 def _in_flight(out: torch.Tensor, works: list, sends: int, site: str,
@@ -377,7 +410,7 @@ def _in_flight(out: torch.Tensor, works: list, sends: int, site: str,
 OPS: dict[Collective, CommOp] = {op.kind: op for op in (
     _comm_op(
         Collective.ALL_GATHER, "Tensor flat, int group_size, str group",
-        lambda flat, n, group: _gather_messages(flat, n, group)
+        lambda flat, n, group, site: _gather_messages(flat, n, group, site)
         if _messages_gather(group) else
         _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, n, group)),
         lambda flat, n, group: flat.new_empty(flat.numel() * n),
@@ -385,21 +418,21 @@ OPS: dict[Collective, CommOp] = {op.kind: op for op in (
         _gathered, ("_allgather_base", "all_gather_into_tensor")),
     _comm_op(
         Collective.REDUCE_SCATTER, "Tensor flat, int group_size, str group",
-        lambda flat, n, group: _c10d.wait_tensor(
+        lambda flat, n, group, site: _c10d.wait_tensor(
             _c10d.reduce_scatter_tensor(flat, "sum", n, group)),
         lambda flat, n, group: flat.new_empty(flat.numel() // n),
         lambda flat, ranks, group, out_splits, in_splits: (flat, len(ranks), group),
         _reduced_scattered, ("_reduce_scatter_base", "reduce_scatter_tensor")),
     _comm_op(
         Collective.ALL_REDUCE, "Tensor flat, str group",
-        lambda flat, group: _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", group)),
+        lambda flat, group, site: _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", group)),
         lambda flat, group: flat.new_empty(flat.numel()),
         lambda flat, ranks, group, out_splits, in_splits: (flat, group),
         _reduced, ("allreduce",)),
     _comm_op(
         Collective.ALL_TO_ALL,
         "Tensor flat, SymInt[] out_splits, SymInt[] in_splits, str group",
-        lambda flat, out_splits, in_splits, group: _exchange_messages(
+        lambda flat, out_splits, in_splits, group, site: _exchange_messages(
             flat, out_splits, in_splits, group),
         lambda flat, out_splits, in_splits, group: flat.new_empty(sum(out_splits)),
         lambda flat, ranks, group, out_splits, in_splits: (
@@ -461,7 +494,7 @@ class FunctionalComm(Comm):
                 out, works, _ = _exchange_messages(flat, list(out_splits), list(in_splits),
                                                    name)
             else:
-                out, works, _ = _gather_messages(flat, len(ranks), name)
+                out, works, _ = _gather_messages(flat, len(ranks), name, site)
         except RuntimeError as err:
             raise timeouts.failed(site, kind, err) from None
         if not works:

@@ -155,9 +155,31 @@ def _posted(rank: int) -> dict:
         bridge.destroy()
 
 
+def _gathers(rank: int) -> dict:
+    """All-gathers as messages over 4 and 8 ranks, eagerly, rows small (through the
+    group's first member) and large (direct): each rank's output, and what it journaled."""
+    import torch.distributed as dist
+
+    from mimo_fx.compiled import trace
+    from mimo_fx.compiled.comm import ROOTED_BYTES, FunctionalComm
+
+    out = {}
+    for members in ((0, 2, 4, 6), tuple(range(WORLD))):
+        group = dist.new_group(list(members))  # (every rank makes it)
+        if rank not in members:
+            continue
+        comm = FunctionalComm({members: group.group_name})
+        for numel in (3, ROOTED_BYTES // 8 + 1):
+            start = trace.mark()
+            row = torch.arange(numel, dtype=torch.float64) * 10 + rank
+            got = comm.all_gather(row, members)
+            out[members, numel] = (got, [(c.sent, c.received) for c in trace.since(start)])
+    return out
+
+
 def _world(rank: int, world: int) -> dict:
     return {"messages": _messages(rank), "identity": _identity(rank),
-            "given": _given_sizes(rank), "posted": _posted(rank)}
+            "given": _given_sizes(rank), "posted": _posted(rank), "gathers": _gathers(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +197,29 @@ def test_exchange_messages_go_only_between_peers(results):
         for _, ranks, sent, received in exchanges:
             assert ranks == tuple(range(WORLD))
             assert {p for p, _ in sent + received} == {peer}, (rank, sent, received)
+
+
+def test_small_rows_gather_through_the_first_member(results):
+    from mimo_fx.compiled.comm import ROOTED_BYTES
+
+    for rank, r in enumerate(results):
+        for (members, numel), (got, journal) in r["gathers"].items():
+            want = torch.cat([torch.arange(numel, dtype=torch.float64) * 10 + m
+                              for m in members])
+            assert torch.equal(got, want), (rank, members, numel)
+            assert len(journal) == 1, (rank, members, numel, journal)
+            sent, received = journal[0]
+            others = [m for m in members if m != rank]
+            if numel * 8 > ROOTED_BYTES:  # direct: a row to and from every other member
+                assert sent == tuple((m, numel) for m in others), (rank, sent)
+                assert received == tuple((m, numel) for m in others), (rank, received)
+            elif rank == members[0]:  # the root: every row in, the whole out
+                assert received == tuple((m, numel) for m in others), (rank, received)
+                assert sent == tuple((m, numel * len(members)) for m in others), rank
+            else:
+                assert sent == ((members[0], numel),), (rank, sent)
+                assert received == ((members[0], numel * len(members)),), (rank, received)
+        assert len(r["gathers"]) == 4 if rank in (0, 2, 4, 6) else 2, (rank, r["gathers"])
 
 
 def test_a_bridge_that_moves_nothing_returns_a_view(results):

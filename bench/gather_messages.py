@@ -1,0 +1,103 @@
+"""An all-gather on gloo three ways: mimo_fx's messages through the group's first member
+(rows of at most ``comm.ROOTED_BYTES``, groups of ``comm.ROOTED_MEMBERS`` or more), its
+direct messages (a row to and from every other member), and gloo's own all-gather.
+
+A bridge's size rows and check headers are all-gathers of a few integers over both grids
+(:mod:`mimo_fx.compiled.redistributor`, :mod:`mimo_fx.compiled.guard`): latency-bound,
+their cost is the number of messages. Each row: every rank's median of interleaved calls
+(a barrier before each, untimed), the max over ranks; the gathered values are checked
+against the members' rows concatenated.
+
+    python bench/gather_messages.py          # 4 and 8 processes, 200 calls each
+    python bench/gather_messages.py --quick  # 40 calls
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from tabulate import tabulate
+
+from mimo_fx.testing import run_world
+
+ROW_BYTES = (64, 2 << 10, 16 << 10, 128 << 10, 1 << 20)
+
+
+def _world(rank: int, world: int, calls: int) -> list[dict]:
+    import torch.distributed as dist
+    from common import timed
+
+    from mimo_fx.compiled import comm
+
+    group = dist.new_group(list(range(world)))
+    name = group.group_name
+    out = []
+    for nbytes in ROW_BYTES:
+        row = torch.arange(nbytes // 4, dtype=torch.float32) + 1000 * rank
+        want = torch.cat([torch.arange(nbytes // 4, dtype=torch.float32) + 1000 * r
+                          for r in range(world)])
+        full = torch.empty(world * row.numel())
+        wrong = []
+
+        def messages(root: bool) -> None:
+            saved = comm.ROOTED_BYTES
+            comm.ROOTED_BYTES = (1 << 62) if root else -1
+            try:
+                got, works, _ = comm._gather_messages(row, world, name)
+                comm.wait_all(works, "", None)
+            finally:
+                comm.ROOTED_BYTES = saved
+            if not torch.equal(got, want):
+                wrong.append("messages")
+
+        def gloo() -> None:
+            dist.all_gather_into_tensor(full, row, group=group)
+            if not torch.equal(full, want):
+                wrong.append("gloo")
+
+        times = timed({"root": lambda: messages(True), "direct": lambda: messages(False),
+                       "gloo": gloo}, calls, 5)
+        out.append({"bytes": nbytes, "wrong": sorted(set(wrong)),
+                    **{k: wall for k, (wall, _) in times.items()}})
+    return out
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    calls = 40 if args.quick else 200
+    load = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    print(f"an all-gather of one row per rank on gloo: median of {calls} interleaved calls "
+          f"per variant, barrier before each, max over ranks\nmachine: {os.cpu_count()} "
+          f"CPUs, load average before {load}; torch {torch.__version__}\n", flush=True)
+    from mimo_fx.compiled.comm import ROOTED_BYTES, ROOTED_MEMBERS
+
+    rows, bad = [], False
+    for world in (4, 8):
+        results = run_world(world, _world, calls, timeout=900)
+        for i, nbytes in enumerate(ROW_BYTES):
+            r = {k: max(res[i][k] for res in results) for k in ("root", "direct", "gloo")}
+            wrong = sorted({w for res in results for w in res[i]["wrong"]})
+            bad = bad or bool(wrong)
+            used = ("root" if world >= ROOTED_MEMBERS and nbytes <= ROOTED_BYTES
+                    else "direct")
+            rows.append([world, _size(nbytes), f"{r['root'] * 1e3:.2f}",
+                         f"{r['direct'] * 1e3:.2f}", f"{r['gloo'] * 1e3:.2f}",
+                         f"{r['root'] / r['direct']:.2f}", used,
+                         "WRONG: " + ", ".join(wrong) if wrong else "exact"])
+    print(tabulate(rows, headers=["ranks", "row", "root ms", "direct ms", "gloo ms",
+                                  "root / direct", "mimo_fx uses", "values"],
+                   disable_numparse=True))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
