@@ -22,6 +22,7 @@ import os
 import sys
 import warnings
 import weakref
+from collections import Counter
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from .executor import CompiledExecutor, Numbers
 from .groups import CHECK
 from .guard import HEADER_LEN, Guard, fingerprint, raise_now
 from .lease import Lease, release_later, require_world
+from .live import BRIDGES
 from .options import Options, require_compiler
 from .rows import RowSizing, key_of
 from .sizing import CACHED_SIZES, CALL_OPTIONS, Sizing, _size_key
@@ -114,10 +116,10 @@ class Redistributor:
         # dropped without destroy(): its groups (and the threads and sockets they hold)
         # are released when the next lease is built (see lease.release_later)
         weakref.finalize(self, _dropped, self.lease, self.name)
-        self._source_only = self.involved and not dst.holds(self.rank)
-        timeouts.register(self.name, self._context().rstrip(": "), self._source_only)
+        self.source_only = self.involved and not dst.holds(self.rank)
+        self.described, self.ran = self._context().rstrip(": "), Counter[str]()  # timeouts
         _BY_NAME[self.name] = self
-        if self._source_only:
+        if self.source_only:
             SOURCE_ONLY.setdefault(self.name, None)
         self.executor = CompiledExecutor(self.lease.comm(fwd), comm_dtype,
                                          self.lease.comm(bwd), self.name)
@@ -356,7 +358,7 @@ class Redistributor:
         return self._keep(y)
 
     def _keep(self, y: torch.Tensor) -> torch.Tensor:
-        if self._source_only and y.requires_grad and not _in_transform():
+        if self.source_only and y.requires_grad and not _in_transform():
             if not torch.compiler.is_compiling():
                 self._warn_forgotten_backward()
             # a source-only rank: its backward runs in mimo_fx.backward() (a store under
@@ -555,7 +557,7 @@ def _awaiting_backward() -> list[torch.Tensor]:
 
 
 # -- the size exchange as one ordered op (a compiled call's) ---------------------------------
-_BY_NAME: weakref.WeakValueDictionary[str, Redistributor] = weakref.WeakValueDictionary()
+_BY_NAME = BRIDGES  # (the one registry of live bridges)
 
 # -- what a compiled call traces ---------------------------------------------------------
 # Under torch.compile a call reaches its bridge's state by the bridge's name through this

@@ -15,12 +15,13 @@ True
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 from mimo_fx.errors import MimoFxError
 
-__all__ = ["timeout_seconds", "wait_time", "cause", "ENV", "DEFAULT", "register", "site",
-           "ran", "failed", "calls"]
+from .live import BRIDGES
+
+__all__ = ["timeout_seconds", "wait_time", "cause", "ENV", "DEFAULT", "site", "ran",
+           "failed", "calls"]
 
 ENV = "MIMO_FX_TIMEOUT"
 LEGACY = "MIMO_FX_CHECK_TIMEOUT"  # the name of the check groups' timeout before it
@@ -77,18 +78,14 @@ def cause(err: BaseException) -> str:
 
 
 # -- where a collective was issued: a bridge, a direction, an op of its program ------------
-_BRIDGES: dict[str, str] = {}   # a bridge's name -> what errors call it
-_SOURCE_ONLY: set[str] = set()  # bridges of which this rank holds src but no dst piece
-_RAN: Counter[str] = Counter()  # a site -> how many times its collective completed
+# A site names its bridge first; the bridge (found by name in the one registry,
+# :data:`.live.BRIDGES`) keeps what errors call it (``described``), whether this rank
+# holds no dst piece of it (``source_only``: its backward runs in ``mimo_fx.backward()``)
+# and how many times each of its sites' collectives completed (``ran``).
 
 
-def register(name: str, description: str, source_only: bool = False) -> None:
-    """Name a bridge for the errors of the collectives it issues; ``source_only``: this
-    rank holds no dst piece of it (its backward runs in ``mimo_fx.backward()``)."""
-    _BRIDGES[name] = description
-    (_SOURCE_ONLY.add if source_only else _SOURCE_ONLY.discard)(name)
-    for site_ in [s for s in _RAN if s.startswith(f"{name}|")]:  # a destroyed namesake's
-        del _RAN[site_]
+def _bridge(site_: str):
+    return BRIDGES.get(site_.partition("|")[0])
 
 
 def site(name: str, direction: str, index: int, ranks: tuple[int, ...]) -> str:
@@ -98,15 +95,22 @@ def site(name: str, direction: str, index: int, ranks: tuple[int, ...]) -> str:
 
 
 def ran(site_: str) -> None:
-    """A collective of ``site_`` completed (counted where it runs, eager or compiled)."""
+    """A collective of ``site_`` completed (counted where it runs, eager or compiled, on
+    its bridge)."""
     if site_:
-        _RAN[site_] += 1
+        bridge = _bridge(site_)
+        if bridge is not None:
+            bridge.ran[site_] += 1
 
 
 def calls(name: str, direction: str) -> int:
-    """How many ``direction`` calls of bridge ``name`` this rank completed (those whose
-    program issues a collective)."""
-    return sum(n for s, n in _RAN.items() if s.startswith(f"{name}|{direction}|0|"))
+    """How many ``direction`` calls of live bridge ``name`` this rank completed (those
+    whose program issues a collective)."""
+    bridge = BRIDGES.get(name)
+    if bridge is None:
+        return 0
+    first = f"{name}|{direction}|0|"
+    return sum(n for s, n in bridge.ran.items() if s.startswith(first))
 
 
 def failed(site_: str, kind, err: BaseException, peer: int | None = None) -> MimoFxError:
@@ -120,7 +124,8 @@ def failed(site_: str, kind, err: BaseException, peer: int | None = None) -> Mim
             "" if peer is None else f" (rank {peer} left)" if gone else
             f" waiting for rank {peer}") + f" ({cause(err)})")
     name, direction, _, ranks = site_.split("|")
-    n = _RAN[site_] + 1
+    bridge = _bridge(site_)
+    n = (0 if bridge is None else bridge.ran[site_]) + 1
     why = ("a rank of the group left" + ("" if peer is None else f": rank {peer}") +
            " (it raised, or its process ended: its own error says why)" if gone else
            "a rank skipped this call or the backward of an earlier one, or called another "
@@ -128,12 +133,12 @@ def failed(site_: str, kind, err: BaseException, peer: int | None = None) -> Mim
            "does not require grad runs no backward)" +
            ("" if peer is None else f"; this rank waited for rank {peer}'s message"))
     forward, backward = calls(name, "forward"), calls(name, "backward")
-    if name in _SOURCE_ONLY and forward > backward:  # (its own state: peer gone or not)
+    if bridge is not None and bridge.source_only and forward > backward:  # (its own state: peer gone or not)
         why += (f"; this rank holds no dst piece and ran {forward} forward but {backward} "
                 f"backward calls: its backward runs in mimo_fx.backward(), which it may "
                 f"have skipped")
     return MimoFxError(
-        f"{_BRIDGES.get(name, name)}: the {direction} of call {n} failed in {kind} over "
+        f"{name if bridge is None else bridge.described}: the {direction} of call {n} failed in {kind} over "
         f"ranks ({ranks}) ({cause(err)}). Likely cause: {why}. This rank has completed "
         f"{forward} forward and {backward} backward calls of "
         f"this bridge; every rank of both grids runs every call and its backward "
