@@ -26,40 +26,46 @@ from mimo_fx.testing import run_world
 ROW_BYTES = (64, 2 << 10, 16 << 10, 128 << 10, 1 << 20)
 
 
+def _variants(row: torch.Tensor, want: torch.Tensor, world: int, group,
+              wrong: list[str]) -> dict:
+    """The three all-gathers of ``row``, each checking its output against ``want``."""
+    import torch.distributed as dist
+
+    from mimo_fx.compiled import comm
+
+    full = torch.empty(world * row.numel())
+
+    def messages(root: bool) -> None:
+        saved = comm.ROOTED_BYTES
+        comm.ROOTED_BYTES = (1 << 62) if root else -1
+        try:
+            got, works, _ = comm._gather_messages(row, world, group.group_name)
+            comm.wait_all(works, "", None)
+        finally:
+            comm.ROOTED_BYTES = saved
+        if not torch.equal(got, want):
+            wrong.append("messages")
+
+    def gloo() -> None:
+        dist.all_gather_into_tensor(full, row, group=group)
+        if not torch.equal(full, want):
+            wrong.append("gloo")
+
+    return {"root": lambda: messages(True), "direct": lambda: messages(False), "gloo": gloo}
+
+
 def _world(rank: int, world: int, calls: int) -> list[dict]:
     import torch.distributed as dist
     from common import timed
 
-    from mimo_fx.compiled import comm
-
     group = dist.new_group(list(range(world)))
-    name = group.group_name
     out = []
     for nbytes in ROW_BYTES:
         row = torch.arange(nbytes // 4, dtype=torch.float32) + 1000 * rank
         want = torch.cat([torch.arange(nbytes // 4, dtype=torch.float32) + 1000 * r
                           for r in range(world)])
-        full = torch.empty(world * row.numel())
-        wrong = []
-
-        def messages(root: bool) -> None:
-            saved = comm.ROOTED_BYTES
-            comm.ROOTED_BYTES = (1 << 62) if root else -1
-            try:
-                got, works, _ = comm._gather_messages(row, world, name)
-                comm.wait_all(works, "", None)
-            finally:
-                comm.ROOTED_BYTES = saved
-            if not torch.equal(got, want):
-                wrong.append("messages")
-
-        def gloo() -> None:
-            dist.all_gather_into_tensor(full, row, group=group)
-            if not torch.equal(full, want):
-                wrong.append("gloo")
-
-        times = timed({"root": lambda: messages(True), "direct": lambda: messages(False),
-                       "gloo": gloo}, calls, 5)
+        wrong: list[str] = []
+        times = timed(_variants(row, want, world, group, wrong), calls, 5)
         out.append({"bytes": nbytes, "wrong": sorted(set(wrong)),
                     **{k: wall for k, (wall, _) in times.items()}})
     return out

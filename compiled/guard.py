@@ -23,8 +23,6 @@ any collective after it.
 
 from __future__ import annotations
 
-import itertools
-import weakref
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +32,8 @@ import torch
 from torch._dynamo.exc import UserError, UserErrorType
 
 from mimo_fx.errors import MimoFxError
+
+from .live import BRIDGES
 
 __all__ = ["Expect", "inspect", "problem_text", "Header", "fingerprint", "MAGIC", "OK",
            "HEADER_LEN", "dtype_code", "calls_differ", "Guard", "TracedError",
@@ -279,8 +279,10 @@ def raise_now(message: str) -> None:
     raise MimoFxError(message)
 
 
-_GUARDS: weakref.WeakValueDictionary[str, Guard] = weakref.WeakValueDictionary()
-_NAMES = itertools.count()
+def _guard(bridge: str) -> Guard:
+    """Live bridge ``bridge``'s guard (a compiled graph's ops carry the bridge's name, a
+    string Dynamo never makes symbolic)."""
+    return BRIDGES[bridge].guard
 
 
 def _fail_traced(key: str, code: int, side: str, x, sizes: tuple) -> None:
@@ -296,7 +298,7 @@ def _explain(ctx) -> None:
     key, code, side = (ctx.get_local(n).as_python_constant() for n in ("key", "code", "side"))
     x = _example(ctx.get_local("x"))
     sizes = dict(_example(ctx.get_local("sizes")))
-    raise TracedError(_GUARDS[key].problem(code, side, sizes, x))
+    raise TracedError(_guard(key).problem(code, side, sizes, x))
 
 
 def _example(var) -> Any:
@@ -352,7 +354,7 @@ def _hint(n) -> Any:
 
 
 def _check_call(header, expected, guard: str, full: dict | None = None) -> None:
-    _GUARDS[guard].checked_call([int(v) for v in header], [int(v) for v in expected], full)
+    _guard(guard).checked_call([int(v) for v in header], [int(v) for v in expected], full)
 
 
 try:
@@ -414,19 +416,18 @@ class Guard:
     ``src``/``dst`` are the bridge's layouts, ``rank`` this rank, ``union`` every rank of
     both grids, ``comm`` the check group's comm (None where no check runs), ``key`` what
     identifies the call across ranks (hashed into the fingerprints), ``context`` the
-    prefix of every message.
+    prefix of every message, ``name`` the bridge's (see :mod:`.live`).
     """
 
     def __init__(self, src, dst, rank: int, union: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device, checked: bool, comm, key: tuple,
-                 context: str, shape_of=None) -> None:
+                 context: str, name: str, shape_of=None) -> None:
         self.shape_of = shape_of  # (side, rank, full) -> local shape; None: a box layout's
         self.src, self.dst, self.rank, self.union = src, dst, rank, union
         self.dtype, self.device, self.checked, self.comm = dtype, device, checked, comm
         self.key, self.context = key, context
         self.prints = {"src": fingerprint("forward", *key), "dst": fingerprint("backward", *key)}
-        self.name = f"guard{next(_NAMES)}"  # a string: Dynamo never makes it symbolic
-        _GUARDS[self.name] = self
+        self.name = name  # its bridge's: the key of the compiled checks' ops
         self.calls = {"src": 0, "dst": 0}  # checked forward and backward calls so far
         self._expects: dict = {}  # local shape -> what local() checks a tensor against
 

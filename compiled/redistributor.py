@@ -99,10 +99,10 @@ class Redistributor:
         self.rows = is_row_layout(src) or is_row_layout(dst)
         self.sizing: Any = (RowSizing if self.rows else Sizing)(
             src, dst, sizes, opts.dtype, opts.grad_partial, self.rank, self._context())
-        self.union = self.sizing.union
-        self.involved = self.rank in self.union
+        self.union, self.involved = self.sizing.union, self.rank in self.sizing.union
         self.device = opts.resolved_device()
         self.name, self._slot = _identity(src, dst, name)
+        self.sizing.name = self.name
         self._agree()
         # each direction on groups of its own, tagged by the bridge's identity; and a
         # check group over the union, shared, whether checked or not (so ranks that
@@ -128,7 +128,7 @@ class Redistributor:
         key = (src, dst, sorted(self.fixed.items()), str(opts.dtype), opts.grad_partial,
                str(comm_dtype), self.name)
         self.guard = Guard(src, dst, self.rank, self.union, opts.dtype, self.device, checked,
-                           self._check_comm, key, self._context(),
+                           self._check_comm, key, self._context(), self.name,
                            getattr(self.sizing, "shape", None))
         self.sizing.print_ = self.guard.prints["src"]
         checks_bwd = checked and self._check_comm is not None

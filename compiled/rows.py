@@ -16,8 +16,6 @@ sizes are fixed, given or learned; the programs and their numbers) and the route
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -37,6 +35,7 @@ from mimo_fx.rows import (
 
 from . import lowering
 from .guard import runtime_check
+from .live import BRIDGES
 from .sizing import CallSizes
 
 __all__ = ["RowSizing", "key_of"]
@@ -79,8 +78,7 @@ class RowSizing(CallSizes):
         self.print_ = 0
         self._plans: OrderedDict[tuple, Any] = OrderedDict()
         self._last = (src, dst)  # the batch of the last eager call
-        self.name = f"rows{next(_NAMES)}"  # a string: Dynamo never makes it symbolic
-        _ROWS[self.name] = self
+        self.name = ""  # its bridge's (see .live), set by the bridge
 
     # -- a call's sizes (given, missing: CallSizes) ----------------------------------------
     def batch(self, layouts: dict) -> list[torch.Tensor]:
@@ -191,7 +189,6 @@ class RowSizing(CallSizes):
 
     def forget(self) -> None:
         self._plans.clear()
-        _ROWS.pop(self.name, None)
 
 
 # -- a batch as ints, and the route op ----------------------------------------------------
@@ -232,8 +229,6 @@ def _from_data(layout, values: list[int], rows: tuple[str, ...], full: dict):
     return layout, sizes
 
 
-_ROWS: weakref.WeakValueDictionary[str, RowSizing] = weakref.WeakValueDictionary()
-_NAMES = itertools.count()
 _LIB = torch.library.Library("mimo_fx", "FRAGMENT")
 _OUTPUTS = len(ROUTE_INDEX) + 1
 
@@ -254,8 +249,8 @@ def _shape_of(spec: str) -> dict:
 
 
 def _route_impl(src_data: torch.Tensor, dst_data: torch.Tensor, bridge: str):
-    name, _, spec = bridge.partition("|")
-    sizing = _ROWS[name]
+    name, _, spec = bridge.rpartition("|")  # (a name may hold "|"; a spec never does)
+    sizing = BRIDGES[name].sizing
     full = _shape_of(spec)
     src, s_sizes = _from_data(sizing.src, src_data.tolist(), sizing.rows, full)
     dst, d_sizes = _from_data(sizing.dst, dst_data.tolist(), sizing.rows, full)
@@ -268,7 +263,7 @@ def _route_impl(src_data: torch.Tensor, dst_data: torch.Tensor, bridge: str):
 def _route_fake(src_data, dst_data, bridge: str):
     ctx = torch.library.get_ctx()
     index = [src_data.new_empty((ctx.new_dynamic_size(),)) for _ in ROUTE_INDEX]
-    n = len(_ROWS[bridge.partition("|")[0]].union)
+    n = len(BRIDGES[bridge.rpartition("|")[0]].union)
     return (*index, src_data.new_empty((4 * n + 4,)))  # the counts, then the digest
 
 

@@ -32,6 +32,7 @@ from mimo_fx.symbolic import Expr
 
 from . import lowering
 from .guard import TracedError, raise_now, runtime_check
+from .live import BRIDGES
 
 __all__ = ["Sizing", "CACHED_SIZES", "CALL_OPTIONS"]
 
@@ -108,7 +109,7 @@ class Sizing(CallSizes):
                        "backward": self._groups(self.adjoint, sizes)}
         self._lower_programs()
         self._cache: OrderedDict[tuple, tuple] = OrderedDict()
-        _SIZINGS[id(self)] = self
+        self.name = ""  # its bridge's (see .live), set by the bridge
 
     # -- building ------------------------------------------------------------------------
     def _groups(self, layouts: tuple[Layout, Layout], sizes: dict
@@ -204,7 +205,7 @@ class Sizing(CallSizes):
                 f"give the sizes in the call, or run these sizes eagerly")
         # sizes the template does not serve: a graph of their own (Dynamo specialises)
         key = _size_key({d: _concrete(n) for d, n in full.items()})
-        return (*_programs_for(id(self), key), None)
+        return (*_programs_for(self.name, key), None)
 
     def _fits_compiled(self, t: Template, full: dict, learned: frozenset) -> bool:
         """Whether traced sizes fit the template: a learned size is asserted to (the
@@ -300,23 +301,18 @@ class Sizing(CallSizes):
         return plan_for_rank(*layouts, sizes, self.dtype, rank=self.rank, all_to_all=missing)
 
     def forget(self) -> None:
-        """Drop the cached programs and the registration (the bridge is destroyed)."""
+        """Drop the cached programs (the bridge is destroyed)."""
         self._cache.clear()
-        _SIZINGS.pop(id(self), None)
-
-
-# sizings by id, for the compiled path that plans sizes of their own at trace time
-_SIZINGS: dict[int, Sizing] = {}
 
 
 @torch.compiler.assume_constant_result
-def _programs_for(sizing: int, key: tuple) -> tuple[Any, Any]:
+def _programs_for(bridge: str, key: tuple) -> tuple[Any, Any]:
     """A bridge's plain programs for sizes its template does not serve: computed while
     tracing (a constant of the graph, which Dynamo then guards on these sizes). Sizes
     the layouts refuse raise the eager call's error (Dynamo would wrap a plain one as
     an internal error)."""
     try:
-        return _SIZINGS[sizing].programs_at(key)
+        return BRIDGES[bridge].sizing.programs_at(key)
     except MimoFxError as err:
         raise TracedError(str(err)) from None
 

@@ -85,7 +85,7 @@ def cause(err: BaseException) -> str:
 
 
 def _bridge(site_: str):
-    return BRIDGES.get(site_.partition("|")[0])
+    return BRIDGES.get(site_.rsplit("|", 3)[0])
 
 
 def site(name: str, direction: str, index: int, ranks: tuple[int, ...]) -> str:
@@ -123,7 +123,7 @@ def failed(site_: str, kind, err: BaseException, peer: int | None = None) -> Mim
         return MimoFxError(f"a mimo_fx {kind} failed" + (
             "" if peer is None else f" (rank {peer} left)" if gone else
             f" waiting for rank {peer}") + f" ({cause(err)})")
-    name, direction, _, ranks = site_.split("|")
+    name, direction, _, ranks = site_.rsplit("|", 3)  # (a name may hold "|")
     bridge = _bridge(site_)
     n = (0 if bridge is None else bridge.ran[site_]) + 1
     why = ("a rank of the group left" + ("" if peer is None else f": rank {peer}") +
@@ -133,12 +133,14 @@ def failed(site_: str, kind, err: BaseException, peer: int | None = None) -> Mim
            "does not require grad runs no backward)" +
            ("" if peer is None else f"; this rank waited for rank {peer}'s message"))
     forward, backward = calls(name, "forward"), calls(name, "backward")
-    if bridge is not None and bridge.source_only and forward > backward:  # (its own state: peer gone or not)
+    # (this rank's own state: its peer gone or not)
+    if bridge is not None and bridge.source_only and forward > backward:
         why += (f"; this rank holds no dst piece and ran {forward} forward but {backward} "
                 f"backward calls: its backward runs in mimo_fx.backward(), which it may "
                 f"have skipped")
+    described = name if bridge is None else bridge.described
     return MimoFxError(
-        f"{name if bridge is None else bridge.described}: the {direction} of call {n} failed in {kind} over "
+        f"{described}: the {direction} of call {n} failed in {kind} over "
         f"ranks ({ranks}) ({cause(err)}). Likely cause: {why}. This rank has completed "
         f"{forward} forward and {backward} backward calls of "
         f"this bridge; every rank of both grids runs every call and its backward "
