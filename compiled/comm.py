@@ -355,9 +355,9 @@ def _gather_messages(flat: torch.Tensor, n: int, name: str, site: str = ""
     flat = flat.contiguous()
     out = flat.new_empty(n * flat.numel())
     rows = out.view(n, flat.numel())
-    rows[me].copy_(flat)
     if n >= ROOTED_MEMBERS and flat.numel() * flat.element_size() <= ROOTED_BYTES:
         return _rooted(flat, out, rows, me, name, site)
+    rows[me].copy_(flat)
     return out, _post(Collective.ALL_GATHER, name, flat, out,
                       [(j, flat) for j in range(n) if j != me],
                       [(j, rows[j]) for j in range(n) if j != me]), n - 1
@@ -372,6 +372,7 @@ def _rooted(flat: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, me: int, 
     n = rows.shape[0]
     if me:
         return out, _post(Collective.ALL_GATHER, name, flat, out, [(0, flat)], [(0, out)]), 1
+    rows[0].copy_(flat)  # (the others receive theirs with the whole)
     if recording():
         members = _group(name)[2]
         _journal(Collective.ALL_GATHER, members, flat.numel(), out.numel(),

@@ -118,7 +118,7 @@ class Redistributor:
         weakref.finalize(self, _dropped, self.lease, self.name)
         self.source_only = self.involved and not dst.holds(self.rank)
         self.described, self.ran = self._context().rstrip(": "), Counter[str]()  # timeouts
-        _BY_NAME[self.name] = self
+        BRIDGES[self.name] = self
         if self.source_only:
             SOURCE_ONLY.setdefault(self.name, None)
         self.executor = CompiledExecutor(self.lease.comm(fwd), comm_dtype,
@@ -556,9 +556,6 @@ def _awaiting_backward() -> list[torch.Tensor]:
     return out
 
 
-# -- the size exchange as one ordered op (a compiled call's) ---------------------------------
-_BY_NAME = BRIDGES  # (the one registry of live bridges)
-
 # -- what a compiled call traces ---------------------------------------------------------
 # Under torch.compile a call reaches its bridge's state by the bridge's name through this
 # registry, a global, and not through the variable the caller holds it in. Dynamo
@@ -631,7 +628,7 @@ def _exchange_impl(row: torch.Tensor, known, batch, bridge: str, spec: str) -> t
     """Every rank's size row, its fingerprint folding in the sizes the call gives and
     its batch, judged as an eager call judges them (the same error on every rank for a
     bad one)."""
-    return _exchange_eager(_BY_NAME[bridge], row, known, batch, spec)[0]
+    return _exchange_eager(BRIDGES[bridge], row, known, batch, spec)[0]
 
 
 def _exchange_eager(self: Redistributor, row: torch.Tensor, known, batch,
@@ -664,7 +661,7 @@ except AttributeError:  # (this module may be executed twice, e.g. by a doctest 
     torch.library.register_fake(
         "mimo_fx::exchange_sizes",
         lambda row, known, batch, bridge, spec: row.new_empty(
-            row.numel() * len(_BY_NAME[bridge].union)), lib=_LIB)
+            row.numel() * len(BRIDGES[bridge].union)), lib=_LIB)
     _EXCHANGE = torch.ops.mimo_fx.exchange_sizes.default
     from .comm import register_ordered
 
@@ -711,7 +708,7 @@ def _free_slot(slot: tuple | None) -> None:
 
 
 def _live(name: str) -> bool:
-    bridge = _BY_NAME.get(name)
+    bridge = BRIDGES.get(name)
     return bridge is not None and bridge.lease.live
 
 
