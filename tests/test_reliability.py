@@ -1034,3 +1034,16 @@ def test_a_comm_dtype_that_keeps_values_or_lowers_float_precision_is_taken(dtype
     from mimo_fx.compiled import Options
 
     assert Options(dtype, (), wire).comm_dtype == wire
+
+
+def test_a_failed_wait_names_a_bridge_whose_name_holds_the_site_separator():
+    # a site is "name|direction|op|ranks"; a user's bridge name may hold "|" itself
+    from mimo_fx import Collective
+    from mimo_fx.compiled import timeouts
+
+    site = timeouts.site("enc|llm", "backward", 2, (0, 1))
+    err = timeouts.failed(site, Collective.ALL_TO_ALL, RuntimeError("Connection closed by peer"),
+                          peer=1)
+    text = str(err)
+    assert text.startswith("enc|llm: the backward of call 1 failed"), text
+    assert "over ranks (0,1)" in text and "rank 1" in text, text
