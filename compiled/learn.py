@@ -79,6 +79,18 @@ def holder_shapes(rows: torch.Tensor, ranks: tuple[int, ...], src: Layout,
     (each costs Dynamo milliseconds to trace and the graph a run-time assert). The rest
     -- the headers, and that replicas of a piece sent its shape -- the exchange op
     judges when the graph runs (``_exchange_impl``), raising the eager call's error."""
+    at = _holder_rows(ranks, src)
+    if not at or not ndim:
+        return {ranks[i]: () for i in at}
+    table = rows.view(len(ranks), -1)[at, HEADER:HEADER + ndim].tolist()
+    return {ranks[i]: tuple(shape) for i, shape in zip(at, table)}
+
+
+@torch.compiler.assume_constant_result
+def _holder_rows(ranks: tuple[int, ...], src: Layout) -> list[int]:
+    """The indices into ``ranks`` of one src holder per piece. Plain Python on constants:
+    Dynamo calls it once while tracing (its result guarded on ``src``) instead of
+    tracing every rank's coordinate, which cost a dynamic-shape trace seconds."""
     at, pieces = [], set()
     for i, r in enumerate(ranks):
         if src.holds(r):
@@ -87,10 +99,7 @@ def holder_shapes(rows: torch.Tensor, ranks: tuple[int, ...], src: Layout,
             if piece not in pieces:
                 pieces.add(piece)
                 at.append(i)
-    if not at or not ndim:
-        return {ranks[i]: () for i in at}
-    table = rows.view(len(ranks), -1)[at, HEADER:HEADER + ndim].tolist()
-    return {ranks[i]: tuple(shape) for i, shape in zip(at, table)}
+    return at
 
 
 def learn_sizes(rows: torch.Tensor, ranks: tuple[int, ...], src: Layout, given: dict,

@@ -158,6 +158,8 @@ class Layout:
         """Whether ``rank`` holds a piece (it is in the grid and on the pinned index)."""
         if rank not in self.grid:
             return False
+        if not self.at:  # (most layouts: no coordinate to compute, or to trace)
+            return True
         coord = self.grid.coord(rank)
         return all(coord[a] == i for a, i in self.at)
 
