@@ -103,7 +103,10 @@ class Grid:
             ) from None
 
     def __contains__(self, rank: object) -> bool:
-        return isinstance(rank, int) and rank in self.ranks
+        # (compared, not looked up in the range: under torch.compile(dynamic=True) a rank
+        # from a closure or an attribute is a symbol, which a range lookup cannot take)
+        return (isinstance(rank, int) and not isinstance(rank, bool)
+                and self.offset <= rank < self.offset + self.size)
 
     # -- rank <-> coordinate -------------------------------------------------------------
     def coord(self, rank: int) -> dict[str, int]:

@@ -241,3 +241,28 @@ def test_rank_of_wrong_length_tuple(coord):
     """A coordinate tuple must name every axis; zip must not silently truncate/ignore."""
     with pytest.raises(MimoFxError, match=re.escape(str(coord))):
         G.rank_of(coord)
+
+
+@pytest.mark.parametrize("at", [None, {"dp": 1}])
+def test_membership_of_a_rank_dynamo_made_symbolic(at):
+    """Under ``torch.compile(dynamic=True)`` an int from a closure is a symbol: asking
+    whether a layout holds it (a grid's membership, and with ``at=`` its coordinate)
+    traces instead of failing in Dynamo, and answers as the plain range test does."""
+    import torch
+
+    from mimo_fx import Layout
+
+    grid = Grid(tp=2, dp=2, offset=2)
+    layout = Layout(grid, "b h", at=at) if at else Layout(grid, "b h")
+
+    def step_for(rank):
+        def step(x):
+            return x * 2 if layout.holds(rank) else x - 1
+        return step
+
+    for rank in (0, 2, 3, 4, 5, 6):
+        torch._dynamo.reset()
+        got = torch.compile(step_for(rank), backend="eager", fullgraph=True,
+                            dynamic=True)(torch.ones(3))
+        holds = 2 <= rank < 6 and (at is None or (rank - 2) // 2 == 1)
+        assert torch.equal(got, torch.full((3,), 2.0 if holds else 0.0)), (rank, got)
