@@ -63,17 +63,19 @@ def test_mesh_dim_named_offset():
 
 # -- 3. redistribute_dtensor's own dim names never clash with the mesh's -----------------------
 def test_dtensor_move_to_mesh_dim_d0():
-    from mimo_fx.interop.dtensor import _layouts
+    from mimo_fx.interop.dtensor import _layouts, chunk_counts
 
     src = SimpleNamespace(mesh=torch.arange(2), mesh_dim_names=("dp",))
     dst = SimpleNamespace(mesh=torch.arange(2, 4), mesh_dim_names=("d0",))
     a, b = _layouts(src, ["Shard(0)"], 2, dst, ["Shard(1)"])
     assert a.dims == b.dims == ("d_0", "d_1")
     assert b.grid == Grid(d0=2, offset=2)
-    # the layouts move what DTensor's placements say
+    # the layouts move what DTensor's placements say (a dim one side cuts and the other
+    # leaves whole is ragged over DTensor's chunk sizes)
+    assert a.ragged_dims == ("d_0",) and b.ragged_dims == ("d_1",)
     full = _full()
-    pieces = shard(full, a)
-    out = reference_redistribute(pieces, a, b)
+    pieces = shard(full, a, d_0=chunk_counts(full.shape[0], 2))
+    out = reference_redistribute(pieces, a, b, d_1=chunk_counts(full.shape[1], 2))
     assert torch.equal(out[2], full[:, :2]) and torch.equal(out[3], full[:, 2:])
 
 

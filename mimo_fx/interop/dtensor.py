@@ -278,7 +278,35 @@ def _layouts(src_mesh, src_placements, ndim: int, dst_mesh, dst_placements):
     dims = _free_dims(ndim, _mesh_parts(src_mesh, None)[1] + _mesh_parts(dst_mesh, None)[1])
     src, _ = layout_from_dtensor(src_mesh, src_placements, shape, dims=dims)
     dst, _ = layout_from_dtensor(dst_mesh, dst_placements, shape, dims=dims)
-    return _chunked(src), _chunked(dst)
+    return _ragged(_chunked(src), dst), _ragged(_chunked(dst), src)
+
+
+def _ragged(layout: Layout, other: Layout) -> Layout:
+    """``layout`` with each dim that one axis cuts and ``other`` leaves whole made ragged:
+    its shards are DTensor's chunk sizes, given per call as counts (:func:`chunk_counts`).
+    A ragged dim cut only at its counts shares one plan, and one compiled graph, for
+    every size, uneven ones included; an even ``chunk`` cut has one only for sizes its
+    granule divides (docs/sizes.md). Not where either side is partial: a reduction is
+    planned over cuts of known size."""
+    if layout.partial or other.partial:
+        return layout
+    axes = tuple(a[0] for d, a in layout.sharding.items()
+                 if len(a) == 1 and not other.sharding.get(d) and a[0] not in layout.zigzag)
+    if not axes:
+        return layout
+    return Layout(layout.grid, layout.pattern, partial=layout.partial, split=layout.split,
+                  ragged=axes)
+
+
+def chunk_counts(size, parts: int) -> tuple:
+    """DTensor's ``torch.chunk`` shard sizes of a dim of ``size`` over ``parts`` ranks
+    (``size`` may be a symbol under ``torch.compile``: the counts are its expressions).
+
+    >>> chunk_counts(5, 2), chunk_counts(7, 4), chunk_counts(1, 3)
+    ((3, 2), (2, 2, 2, 1), (1, 0, 0))
+    """
+    step = (size + parts - 1) // parts
+    return tuple(torch.sym_max(0, torch.sym_min(step, size - k * step)) for k in range(parts))
 
 
 def _free_dims(ndim: int, taken: Sequence) -> tuple[str, ...]:
@@ -387,7 +415,10 @@ def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=
         raise MimoFxError(f"redistribute_dtensor takes a DTensor, got {type(x).__name__}")
     bridge = _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked)
     rank = dist.get_rank()
-    sizes = dict(zip(bridge.src.dims, _global_shape(x)))  # every rank knows the shape
+    sizes: dict = dict(zip(bridge.src.dims, _global_shape(x)))  # every rank knows it
+    for layout in (bridge.src, bridge.dst):
+        for d in layout.ragged_dims:
+            sizes[d] = chunk_counts(sizes[d], layout.shards(d))
     y = bridge(x.to_local() if bridge.src.holds(rank) else None, sizes)
     if y is None or not bridge.dst.holds(rank):
         return y
