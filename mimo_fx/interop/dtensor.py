@@ -401,8 +401,10 @@ def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=
       the placeholder it keeps on ranks outside its mesh;
     - on ranks outside both meshes: ``None``.
 
-    The shape may change from call to call: one bridge (and under ``torch.compile`` one
-    graph for every size its layouts cut evenly) serves them all. Gradients reach
+    The shape may change from call to call: one bridge serves them all, and under
+    ``torch.compile`` one graph serves every size of a dim that only one of the meshes
+    cuts (uneven ones included: that dim is ragged over DTensor's chunk sizes) and every
+    size of a dim both cut evenly. Gradients reach
     ``x``'s local tensor through mimo_fx's custom vjp, with DTensor's
     conventions: a Partial source gets a replicated gradient, a Replicate destination's
     cotangents are taken as equal on every replica (as after ``full_tensor()``), unless
