@@ -12,9 +12,9 @@ On spawned worlds (one world per size, every check of an item in one function):
    receivers learning every size (Dynamo's automatic dynamic shapes must not make a
    grid's ints symbolic in the bridge's planning code);
 3. ``redistribute_dtensor`` from a mesh on ranks 0-1 to one on ranks 2-3, compiled once
-   and called with changing shapes (even and uneven rows, Shard and Replicate): every
-   rank's graph follows the shape (the receivers' too, whose input is DTensor's empty
-   placeholder), values and gradients exact, 2 graphs per rank for every shape.
+   and called with changing shapes (even and uneven rows, Shard(0) to Shard(1), Shard(0)
+   and Replicate): every rank's graph follows the shape (the receivers' too, whose input
+   is DTensor's empty placeholder), values and gradients exact, 2 graphs per rank.
 
 Every value and input gradient is compared with full-tensor math
 (``mimo_fx.reference.shard`` of the full tensor).
@@ -276,7 +276,7 @@ def _dtensor_loop(rank: int, dst_placement: str, shapes, backend: str,
     src_mesh = DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("dp",))
     dst_mesh = DeviceMesh("cpu", torch.tensor([2, 3]), mesh_dim_names=("tp",))
     src_p = [Shard(0)]
-    dst_p = [Shard(1)] if dst_placement == "shard" else [Replicate()]
+    dst_p = {"shard": [Shard(1)], "replicate": [Replicate()], "rows": [Shard(0)]}[dst_placement]
     dynamo.reset()
     step = torch.compile(lambda d: mimo_fx.redistribute_dtensor(d, dst_mesh, dst_p),
                          backend=backend, fullgraph=True, dynamic=dynamic)
@@ -315,7 +315,7 @@ def _item3(rank: int, world: int) -> dict:
 
     inductor_config.compile_threads = 1
     out: dict = {}
-    for placement in ("shard", "replicate"):
+    for placement in ("shard", "replicate", "rows"):
         for name, shapes in (("even", EVEN), ("uneven", UNEVEN)):
             out[f"{placement}/{name}"] = _attempt(
                 lambda p=placement, s=shapes: _dtensor_loop(rank, p, s, "aot_eager"))
@@ -341,8 +341,9 @@ def item3(worlds):
 
 
 @pytest.mark.parametrize("case", ["shard/even", "replicate/even", "shard/uneven",
-                                  "replicate/uneven", "shard/even/inductor",
-                                  "shard/uneven/inductor", "shard/even/dynamic",
+                                  "replicate/uneven", "rows/even", "rows/uneven",
+                                  "shard/even/inductor", "shard/uneven/inductor",
+                                  "shard/even/dynamic",
                                   "replicate/even/dynamic", "shard/uneven/dynamic",
                                   "replicate/uneven/dynamic"])
 def test_redistribute_dtensor_across_disjoint_meshes_as_shapes_change(item3, case):
@@ -353,12 +354,12 @@ def test_redistribute_dtensor_across_disjoint_meshes_as_shapes_change(item3, cas
 
 
 @pytest.mark.parametrize("case", ["shard/even", "replicate/even", "shard/uneven",
-                                  "replicate/uneven", "shard/even/inductor",
-                                  "shard/uneven/inductor"])
+                                  "replicate/uneven", "rows/even", "rows/uneven",
+                                  "shard/even/inductor", "shard/uneven/inductor"])
 def test_changing_shapes_compile_two_graphs_per_rank(item3, case):
     # the first shape static, the second makes the shape dynamic: one graph serves the rest,
-    # uneven shapes too (the dim the destination leaves whole is ragged over DTensor's
-    # chunk sizes, which the bridge takes per call)
+    # uneven shapes too (the rows dim, which the destination leaves whole or cuts into
+    # as many shards, is ragged over DTensor's chunk sizes, which the bridge takes per call)
     assert [res[case]["right"]["graphs"] for res in item3] == [2] * 4
 
 

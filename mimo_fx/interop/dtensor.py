@@ -278,24 +278,31 @@ def _layouts(src_mesh, src_placements, ndim: int, dst_mesh, dst_placements):
     dims = _free_dims(ndim, _mesh_parts(src_mesh, None)[1] + _mesh_parts(dst_mesh, None)[1])
     src, _ = layout_from_dtensor(src_mesh, src_placements, shape, dims=dims)
     dst, _ = layout_from_dtensor(dst_mesh, dst_placements, shape, dims=dims)
-    return _ragged(_chunked(src), dst), _ragged(_chunked(dst), src)
+    return _ragged(_chunked(src), _chunked(dst))
 
 
-def _ragged(layout: Layout, other: Layout) -> Layout:
-    """``layout`` with each dim that one axis cuts and ``other`` leaves whole made ragged:
+def _ragged(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
+    """``src`` and ``dst`` with each dim that one axis cuts made ragged where the other
+    side leaves it whole or cuts it over as many shards (then the shards are the same):
     its shards are DTensor's chunk sizes, given per call as counts (:func:`chunk_counts`).
     A ragged dim cut only at its counts shares one plan, and one compiled graph, for
     every size, uneven ones included; an even ``chunk`` cut has one only for sizes its
     granule divides (docs/sizes.md). Not where either side is partial: a reduction is
     planned over cuts of known size."""
-    if layout.partial or other.partial:
-        return layout
-    axes = tuple(a[0] for d, a in layout.sharding.items()
-                 if len(a) == 1 and not other.sharding.get(d) and a[0] not in layout.zigzag)
-    if not axes:
-        return layout
-    return Layout(layout.grid, layout.pattern, partial=layout.partial, split=layout.split,
-                  ragged=axes)
+    if src.partial or dst.partial:
+        return src, dst
+    axes: tuple[list[str], list[str]] = ([], [])
+    for d in src.dims:
+        a, b = src.sharding.get(d, ()), dst.sharding.get(d, ())
+        if len(a) > 1 or len(b) > 1 or set(a) & set(src.zigzag) or set(b) & set(dst.zigzag):
+            continue
+        if a and b and src.shards(d) != dst.shards(d):
+            continue
+        axes[0].extend(a)
+        axes[1].extend(b)
+    return tuple(  # type: ignore[return-value]
+        Layout(lay.grid, lay.pattern, partial=lay.partial, split=lay.split, ragged=tuple(ax))
+        if ax else lay for lay, ax in ((src, axes[0]), (dst, axes[1])))
 
 
 def chunk_counts(size, parts: int) -> tuple:
@@ -402,9 +409,9 @@ def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=
     - on ranks outside both meshes: ``None``.
 
     The shape may change from call to call: one bridge serves them all, and under
-    ``torch.compile`` one graph serves every size of a dim that only one of the meshes
-    cuts (uneven ones included: that dim is ragged over DTensor's chunk sizes) and every
-    size of a dim both cut evenly. Gradients reach
+    ``torch.compile`` one graph serves every size of a dim each mesh cuts over at most
+    one mesh dim, into as many shards where both cut it (uneven sizes included: that dim
+    is ragged over DTensor's chunk sizes), and every size of other dims cut evenly. Gradients reach
     ``x``'s local tensor through mimo_fx's custom vjp, with DTensor's
     conventions: a Partial source gets a replicated gradient, a Replicate destination's
     cotangents are taken as equal on every replica (as after ``full_tensor()``), unless
@@ -417,10 +424,11 @@ def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=
         raise MimoFxError(f"redistribute_dtensor takes a DTensor, got {type(x).__name__}")
     bridge = _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked)
     rank = dist.get_rank()
-    sizes: dict = dict(zip(bridge.src.dims, _global_shape(x)))  # every rank knows it
-    for layout in (bridge.src, bridge.dst):
+    full = dict(zip(bridge.src.dims, _global_shape(x)))  # every rank knows it
+    sizes: dict = dict(full)
+    for layout in (bridge.src, bridge.dst):  # (a dim both cut: the same counts)
         for d in layout.ragged_dims:
-            sizes[d] = chunk_counts(sizes[d], layout.shards(d))
+            sizes[d] = chunk_counts(full[d], layout.shards(d))
     y = bridge(x.to_local() if bridge.src.holds(rank) else None, sizes)
     if y is None or not bridge.dst.holds(rank):
         return y
