@@ -20,6 +20,8 @@ from functools import cached_property, lru_cache
 from itertools import product
 from math import prod
 
+import torch
+
 from .errors import MimoFxError
 from .grid import Grid
 from .layout import Layout
@@ -74,13 +76,15 @@ def chunk_bounds(size: int, sizes: list[int] | tuple[int, ...]) -> tuple[Interva
     """DTensor's split over several axes, the first outermost: each axis cuts the
     interval the previous axes left into ``torch.chunk`` pieces of ``ceil(n / k)``, the
     trailing ones smaller or empty (an empty interval starts where its interval ends).
-    One interval per flat shard index (first axis slowest)."""
+    One interval per flat shard index (first axis slowest). ``size`` may be a symbol
+    under ``torch.compile`` (``torch.sym_min``: the bounds are its expressions, no guard).
+    """
     out: list[Interval] = [(0, size)]
     for parts in sizes:
         nxt: list[Interval] = []
         for lo, hi in out:
             step = -(-(hi - lo) // parts)
-            nxt.extend((min(lo + k * step, hi), min(lo + (k + 1) * step, hi))
+            nxt.extend((torch.sym_min(lo + k * step, hi), torch.sym_min(lo + (k + 1) * step, hi))
                        for k in range(parts))
         out = nxt
     return tuple(out)

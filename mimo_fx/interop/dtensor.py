@@ -300,9 +300,9 @@ def _ragged(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
             continue
         axes[0].extend(a)
         axes[1].extend(b)
-    return tuple(  # type: ignore[return-value]
-        Layout(lay.grid, lay.pattern, partial=lay.partial, split=lay.split, ragged=tuple(ax))
-        if ax else lay for lay, ax in ((src, axes[0]), (dst, axes[1])))
+    new = [Layout(lay.grid, lay.pattern, partial=lay.partial, split=lay.split, ragged=tuple(ax))
+           if ax else lay for lay, ax in ((src, axes[0]), (dst, axes[1]))]
+    return new[0], new[1]
 
 
 def chunk_counts(size, parts: int) -> tuple:
@@ -312,8 +312,7 @@ def chunk_counts(size, parts: int) -> tuple:
     >>> chunk_counts(5, 2), chunk_counts(7, 4), chunk_counts(1, 3)
     ((3, 2), (2, 2, 2, 1), (1, 0, 0))
     """
-    step = (size + parts - 1) // parts
-    return tuple(torch.sym_max(0, torch.sym_min(step, size - k * step)) for k in range(parts))
+    return tuple(b - a for a, b in chunk_bounds(size, (parts,)))
 
 
 def _free_dims(ndim: int, taken: Sequence) -> tuple[str, ...]:
