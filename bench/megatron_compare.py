@@ -208,6 +208,18 @@ def _tensors(s: int):
     return x, g
 
 
+class _Passthrough(torch.autograd.Function):
+    """The least a call that moves nothing can do: a view forward, the gradient back."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def _variants(case: Case, mods: dict, rank: int, x: torch.Tensor, g: torch.Tensor,
               sizes: dict, compile_backend: str) -> tuple[dict, list]:
     """Per variant, a call running one forward and its backward on this rank and
@@ -262,6 +274,13 @@ def _variants(case: Case, mods: dict, rank: int, x: torch.Tensor, g: torch.Tenso
 
         fns["Megatron"] = megatron
         cleanup.append(comm)
+        if case.src == case.dst:  # nothing moves: the floor is a plain autograd.Function
+            def passthrough():
+                y = _Passthrough.apply(leaf)
+                y.backward(g)
+                return y, grad_of(leaf)
+
+            fns["passthrough"] = passthrough
 
     for variant in ("Redistributor", "compiled"):
         red = Redistributor(src, dst, sizes, name=f"bench {case.name} {variant}")
@@ -346,7 +365,7 @@ def _size(nbytes: int) -> str:
 
 
 def report(rows: list[dict], sizes: tuple[int, ...]) -> str:
-    table = []
+    table, floor = [], []
     it = iter(rows)
     for case in CASES:
         src, dst = case.grids()
@@ -361,12 +380,18 @@ def report(rows: list[dict], sizes: tuple[int, ...]) -> str:
             check = "exact" if not r["wrong"] else "WRONG: " + ", ".join(r["wrong"])
             table.append([case.name, f"{_fmt(case.src)} -> {_fmt(case.dst)}", _size(nbytes),
                           collectives(p), f"{ms['Megatron']:.2f}", *ratios, check])
+            if "passthrough" in r:
+                floor.append(f"{_size(nbytes)} {r['Redistributor'] / r['passthrough']:.2f}")
+    note = ("" if not floor else
+            "\nWhere nothing moves, the eager Redistributor's forward + backward over a plain "
+            "autograd.Function passthrough's (a view forward, the gradient back; same "
+            "interleaved loop; target <= 1.5): " + ", ".join(floor) + ".")
     return tabulate(table, disable_numparse=True,
                     colalign=("left", "left", "right", "left", "right", "right", "right",
                               "right", "left"),
                     headers=["case", "grids", "X", "mimo_fx plan", "Megatron ms",
                              "Bridge / Megatron", "Redistributor / Megatron",
-                             "compiled / Megatron", "values"])
+                             "compiled / Megatron", "values"]) + note
 
 
 def main(argv: list[str] | None = None) -> int:
