@@ -15,8 +15,8 @@ Two counts, each a property of the code's structure rather than of one spelling:
   sizing it holds: an ``isinstance``/``issubclass`` whose class names a row kind
   (``PackedLayout``, ``Selection``, ``RowPlan``, ``RowSizing``, ``RowRoute``), a call of
   a predicate named ``is_row...``, and a read of a row-kind class (``RowPlan``,
-  ``RowSizing``) or of a bridge's ``.rows`` flag in a condition (``if``, ``while``,
-  conditional expression, ``and``/``or``/``not`` operand).
+  ``RowSizing``) or of a bridge's ``.rows`` or a sizing's ``.batched`` flag in a condition
+  (``if``, ``while``, conditional expression, ``and``/``or``/``not`` operand).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def row_cases(path: Path) -> list[tuple[int, str]]:
                 continue
             name = _name(node)
             if name in ("RowPlan", "RowSizing") or (isinstance(node, ast.Attribute)
-                                                    and name == "rows"):
+                                                    and name in ("rows", "batched")):
                 found.setdefault((node.lineno, node.col_offset), f"condition on {name}")
     return sorted((line, what) for (line, _), what in found.items())
 

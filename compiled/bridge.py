@@ -365,9 +365,8 @@ class _Programs:
     (``env``), a row program's index vectors, and the local shapes each side passes."""
 
     def __init__(self, sizing, full: dict, learned: frozenset, x, batch: dict) -> None:
-        self.fwd, self.bwd, values, *inputs = sizing.programs(full, learned, x, **batch)
+        self.fwd, self.bwd, values, self.index, _ = sizing.programs(full, learned, x, **batch)
         self.env = None if values is None else dict(zip(sizing.variables, values))
-        self.index = tuple(inputs[0]) if inputs else ()
         num = Numbers(self.env)
         self.src_shape = None if self.fwd.src_shape is None else num.all(self.fwd.src_shape)
         self.grad_shape = None if self.bwd.src_shape is None else num.all(self.bwd.src_shape)

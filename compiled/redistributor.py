@@ -30,7 +30,7 @@ from torch._C._functorch import TransformType, peek_interpreter_stack
 
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
-from mimo_fx.plan import format_bytes, plan
+from mimo_fx.plan import format_bytes
 from mimo_fx.rows import is_row_layout
 from mimo_fx.vjp import apply
 
@@ -42,8 +42,8 @@ from .guard import HEADER_LEN, Guard, fingerprint, raise_now
 from .lease import Lease, release_later, require_world
 from .live import BRIDGES
 from .options import Options, require_compiler
-from .rows import RowSizing, key_of
-from .sizing import CACHED_SIZES, CALL_OPTIONS, Sizing, _size_key
+from .rows import key_of, sizing_for
+from .sizing import CACHED_SIZES, CALL_OPTIONS, _size_key
 from .timeouts import cause, wait_time
 
 __all__ = ["Redistributor", "Pending", "CALL_OPTIONS", "CACHED_SIZES", "placeholder",
@@ -96,9 +96,8 @@ class Redistributor:
                 raise MimoFxError(_not_a_layout("Redistributor", side, lay))
         src, dst = _own(src), _own(dst)
         self.src, self.dst, self.options = src, dst, opts
-        self.rows = is_row_layout(src) or is_row_layout(dst)
-        self.sizing: Any = (RowSizing if self.rows else Sizing)(
-            src, dst, sizes, opts.dtype, opts.grad_partial, self.rank, self._context())
+        self.sizing = sizing_for(src, dst, sizes, opts.dtype, opts.grad_partial, self.rank,
+                                 self._context())
         self.union, self.involved = self.sizing.union, self.rank in self.sizing.union
         self.device = opts.resolved_device()
         self.name, self._slot = _identity(src, dst, name)
@@ -129,7 +128,7 @@ class Redistributor:
                str(comm_dtype), self.name)
         self.guard = Guard(src, dst, self.rank, self.union, opts.dtype, self.device, checked,
                            self._check_comm, key, self._context(), self.name,
-                           getattr(self.sizing, "shape", None))
+                           self.sizing.shape)
         self.sizing.print_ = self.guard.prints["src"]
         checks_bwd = checked and self._check_comm is not None
         self.executor.check = self._check_backward if checks_bwd else None
@@ -162,8 +161,7 @@ class Redistributor:
             # the size exchange's rows, a route's counts: read back as ints (.tolist());
             # a row backward's per-row sums, a ragged dim's pieces and their gradients:
             # tensors of run-time length, zero on some ranks
-            ragged = bool(getattr(self.src, "ragged", ()) or getattr(self.dst, "ragged", ()))
-            require_compiler(scalar_outputs=True, unbacked_tensors=self.rows or ragged)
+            require_compiler(scalar_outputs=True, unbacked_tensors=self.sizing.unbacked)
         require_compiler(late_waits=True)  # a transfer overlaps the compute after it
 
     # -- the parts' answers, under the names callers use ---------------------------------
@@ -283,7 +281,7 @@ class Redistributor:
         """A call's batch: the layouts it names, of this bridge's structure."""
         if src is None and dst is None:
             return {}
-        if not self.rows:
+        if not self.sizing.batched:
             raise MimoFxError(self._context() + "src=/dst= give a row bridge its batch; this "
                               "bridge moves boxes: build a Redistributor for other layouts")
         out = {}
@@ -318,11 +316,10 @@ class Redistributor:
         if self.executor.count and not torch.compiler.is_compiling():
             self._last_sizes = full
         try:
-            fwd, bwd, env, *inputs = self.sizing.programs(full, learned, x, **layouts)
+            fwd, bwd, env, index, digest = self.sizing.programs(full, learned, x, **layouts)
         except MimoFxError as err:  # checked: every rank raises with it, none waits
             self.guard.failed(err)
             raise
-        index, digest = (tuple(inputs[0]), inputs[1]) if inputs else ((), 0)
         shape = fwd.src_shape
         if env is not None and shape is not None:
             shape = Numbers(dict(zip(self.sizing.variables, env))).all(shape)
@@ -732,28 +729,8 @@ def _log_plans(bridge: Redistributor) -> None:
     rank = bridge.rank
     LOG.debug("rank %d: %s: %d process group(s) created, %d taken from device meshes",
               rank, bridge._label, bridge.groups_created, bridge.groups_reused)
-    if bridge.rows:
-        LOG.debug("rank %d: %s: a row bridge, one all_to_all over %d ranks each way; "
-                  "routes planned per batch", rank, bridge._label, len(bridge.union))
-        return
-    if bridge.free:
-        t = bridge.template
-        LOG.debug("rank %d: %s: sizes of %s learned or given per call; template: %s", rank,
-                  bridge._label, ", ".join(bridge.free),
-                  t.describe() if t else "none (each size planned by itself)")
-        return
-    sizing = bridge.sizing
-    parts: list[tuple[str, tuple[Any, Any], Any]] = [
-        ("forward", (bridge.src, bridge.dst), sizing.fwd_program),
-        ("backward", sizing.adjoint, sizing.bwd_program)]
-    for what, layouts, program in parts:
-        # the bytes need the whole plan: planned here only when someone asks for them
-        p = plan(*layouts, bridge.fixed, bridge.dtype)
-        calls = ", ".join(f"{op.kind.value} over {len(op.ranks)} ranks"
-                          for op in program.ops) or "no collective"
-        LOG.debug("rank %d: %s %s: %s; sends %s, receives %s", rank, bridge._label, what,
-                  calls, format_bytes(p.bytes_sent.get(rank, 0)),
-                  format_bytes(p.bytes_recv.get(rank, 0)))
+    for line in bridge.sizing.summary():
+        LOG.debug("rank %d: %s%s", rank, bridge._label, line)
 
 
 def _debug_logging() -> None:

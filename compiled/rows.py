@@ -36,9 +36,9 @@ from mimo_fx.rows import (
 from . import lowering
 from .guard import runtime_check
 from .live import BRIDGES
-from .sizing import CallSizes
+from .sizing import CallSizes, Programs, Sizing
 
-__all__ = ["RowSizing", "key_of"]
+__all__ = ["RowSizing", "key_of", "sizing_for"]
 
 CACHED_PLANS = 16  # batches whose routes a row bridge keeps (least recently used go)
 
@@ -47,6 +47,15 @@ def key_of(layout):
     """What a bridge is built for: a box layout itself, a row layout's structure (one
     bridge serves every batch)."""
     return layout.structure if is_row_layout(layout) else layout
+
+
+def sizing_for(src, dst, fixed: dict | None, dtype: torch.dtype,
+               grad_partial: tuple[str, ...], rank: int, context: str) -> CallSizes:
+    """The sizing of a ``src -> dst`` bridge, the one place that picks it by the layouts'
+    kind: :class:`RowSizing` where a side is a row layout, else :class:`~.sizing.Sizing`.
+    A bridge asks it everything else through :class:`~.sizing.CallSizes`."""
+    kind = RowSizing if is_row_layout(src) or is_row_layout(dst) else Sizing
+    return kind(src, dst, fixed, dtype, grad_partial, rank, context)
 
 
 class RowSizing(CallSizes):
@@ -71,14 +80,23 @@ class RowSizing(CallSizes):
         union = (self.union,) if len(self.union) > 1 else ()
         self.groups = {"forward": union, "backward": union}
         self.template = None
-        self.granules: dict[str, int] = {}
-        self.variables = lowering.row_variables(len(self.union), self.features)
+        self._variables = lowering.row_variables(len(self.union), self.features)
         self.fwd_program, self.bwd_program = lowering.lower_rows(
             self.union, self.features, src.holds(rank), dst.holds(rank))
         self.print_ = 0
         self._plans: OrderedDict[tuple, Any] = OrderedDict()
         self._last = (src, dst)  # the batch of the last eager call
         self.name = ""  # its bridge's (see .live), set by the bridge
+
+    batched = True  # a call may bring another batch of the same structure
+
+    @property
+    def variables(self) -> tuple:
+        return self._variables  # the route's counts, then the feature sizes
+
+    @property
+    def unbacked(self) -> bool:
+        return True  # a route's index vectors
 
     # -- a call's sizes (given, missing: CallSizes) ----------------------------------------
     def batch(self, layouts: dict) -> list[torch.Tensor]:
@@ -116,9 +134,11 @@ class RowSizing(CallSizes):
         return out
 
     # -- the route and the programs ------------------------------------------------------
-    def programs(self, full: dict, learned: frozenset, x=None, src=None, dst=None):
-        """``(fwd, bwd, env values, index inputs)`` for a call at ``full`` sizes moving
-        ``src``'s batch to ``dst``'s (default: the bridge's layouts)."""
+    def programs(self, full: dict, learned: frozenset, x=None, src=None, dst=None
+                 ) -> Programs:
+        """The programs of a call at ``full`` sizes moving ``src``'s batch to ``dst``'s
+        (default: the bridge's layouts): the route's counts and the feature sizes as
+        their numbers, its index vectors, the batch's digest."""
         src = self.src if src is None else src
         dst = self.dst if dst is None else dst
         device = x.device if isinstance(x, torch.Tensor) else None
@@ -136,7 +156,8 @@ class RowSizing(CallSizes):
             route, index = self.route(src, dst, full, device)
             values, digest = list(route.counts), self._digest(src, dst, full)
         values += [full[d] for d in self.features]
-        return self.fwd_program, self.bwd_program, tuple(values), index, digest
+        return Programs(self.fwd_program, self.bwd_program, tuple(values), tuple(index),
+                        digest)
 
     def _digest(self, src, dst, full: dict) -> int:
         """A batch's digest (checked mode compares it across ranks)."""
@@ -186,6 +207,10 @@ class RowSizing(CallSizes):
         rows = plan.src_rows if side == "src" else plan.dst_rows
         n = len(rows[plan.index(rank)]) if rank in plan.ranks else 0
         return (n, *(full[d] for d in self.features))
+
+    def summary(self) -> list[str]:
+        return [f": a row bridge, one all_to_all over {len(self.union)} ranks each way; "
+                f"routes planned per batch"]
 
     def forget(self) -> None:
         self._plans.clear()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import operator
 from collections import OrderedDict
 from math import lcm
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,7 +34,7 @@ from . import lowering
 from .guard import TracedError, raise_now, runtime_check
 from .live import BRIDGES
 
-__all__ = ["Sizing", "CACHED_SIZES", "CALL_OPTIONS"]
+__all__ = ["CallSizes", "Programs", "Sizing", "CACHED_SIZES", "CALL_OPTIONS"]
 
 CACHED_SIZES = 64   # sizes whose programs a bridge keeps (least recently used go)
 CALL_OPTIONS = ("sizes",)
@@ -44,15 +44,90 @@ def _size_key(sizes: dict) -> tuple:
     return tuple(sorted(sizes.items()))
 
 
+class Programs(NamedTuple):
+    """What a call runs, from any sizing: its forward and backward programs, the numbers
+    a template or row program is evaluated at (``env``, in :attr:`CallSizes.variables`
+    order; None: a plain program), a row program's index vectors (``indices``), and
+    the digest of the call's batch (0 without one; checked mode compares it)."""
+
+    fwd: Any
+    bwd: Any
+    env: tuple | None
+    indices: tuple = ()
+    digest: Any = 0
+
+
 class CallSizes:
-    """What a call's sizes are, for any sizing (box or row) with ``src``, ``dst``,
-    ``fixed`` (sizes built in), ``free`` (dims a call gives or learns) and ``context``."""
+    """The one interface a bridge asks about its sizes and programs, whatever its
+    layouts: :class:`Sizing` for boxes, :class:`~.rows.RowSizing` where a side is a row
+    layout. ``src``, ``dst``, ``fixed`` (sizes built in), ``free`` (dims a call gives or
+    learns), ``union`` (both grids' ranks), ``groups`` (per direction, the groups it
+    needs), the programs it was lowered to, and ``context`` (its errors' prefix)."""
 
     src: Any
     dst: Any
     fixed: dict
     free: tuple
     context: str
+    union: tuple[int, ...]
+    groups: dict[str, tuple]
+    fwd_program: Any
+    bwd_program: Any
+    template: Template | None
+    print_: int
+    name: str
+    #: whether a call may bring its batch (``src=``/``dst=`` layouts of the bridge's
+    #: structure), moved by the same programs
+    batched = False
+
+    @property
+    def granules(self) -> dict[str, int]:
+        return {}
+
+    @property
+    def variables(self) -> tuple:
+        return ()
+
+    @property
+    def unbacked(self) -> bool:
+        """Whether a traced call holds tensors of run-time length (a ragged dim's
+        pieces, a row route's index vectors)."""
+        return bool(getattr(self.src, "ragged", ()) or getattr(self.dst, "ragged", ()))
+
+    def programs(self, full: dict, learned: frozenset, x=None, src=None,
+                 dst=None) -> Programs:
+        """This rank's :class:`Programs` for a call at ``full`` sizes (``learned``: the
+        dims its size exchange learned; ``x``: this rank's src tensor; ``src``/``dst``:
+        the call's batch, on a batched sizing)."""
+        raise NotImplementedError
+
+    def size_row(self, x, device) -> torch.Tensor:
+        """This rank's row of the size exchange (see :mod:`.learn`)."""
+        raise NotImplementedError
+
+    def sizes_from(self, rows: torch.Tensor, known: dict, ranks=None) -> dict:
+        """Every size from the exchanged rows of ``ranks`` (default: both grids'),
+        ``known`` first; a bad row raises the same error on every rank."""
+        raise NotImplementedError
+
+    def shape(self, side: str, rank: int, full: dict) -> tuple | None:
+        """``rank``'s local shape on ``side`` at ``full`` sizes (what the guard's errors
+        say a rank was to pass); None where the side holds nothing there."""
+        from mimo_fx.local import local_shape
+        from mimo_fx.regions import Tiling
+
+        layout = self.src if side == "src" else self.dst
+        if not layout.holds(rank):
+            return None
+        return local_shape(layout, Tiling.of(layout, self.src.dims, full), rank)
+
+    def summary(self) -> list[str]:
+        """What the debug log says of the bridge's programs when it is built, a line
+        each (each starts with ``": "`` or ``" "`` after the bridge's label)."""
+        return []
+
+    def forget(self) -> None:
+        """Drop what it cached (the bridge is destroyed)."""
 
     def given(self, sizes, dim_sizes: dict) -> dict:
         """The sizes a call gives, checked against the fixed ones."""
@@ -166,30 +241,29 @@ class Sizing(CallSizes):
 
     # -- a call's sizes (given, missing: CallSizes) ----------------------------------------
     def size_row(self, x, device) -> torch.Tensor:
-        """This rank's row of the size exchange (see :mod:`.learn`)."""
         from .guard import int_tensor
         from .learn import Row
 
         return int_tensor(Row.encode(x, len(self.src.local_dims), self.print_), device)
 
     def sizes_from(self, rows: torch.Tensor, known: dict, ranks=None) -> dict:
-        """Every size from the exchanged rows of ``ranks`` (default: both grids'),
-        ``known`` first; a bad row raises the same error on every rank."""
         from .learn import learn_sizes
 
         return learn_sizes(rows, ranks or self.union, self.src, known,
                            self.print_, self.dtype, self.context)
 
     # -- programs ------------------------------------------------------------------------
-    def programs(self, full: dict, learned: frozenset,
-                 x=None) -> tuple[Any, Any, tuple | None]:
+    def programs(self, full: dict, learned: frozenset, x=None, src=None,
+                 dst=None) -> Programs:
         """This rank's forward and adjoint programs for ``full`` sizes, and the env a
         template program's numbers are evaluated at (None: a plain program); ``x`` is
-        this rank's src tensor (it names learned sizes its shape shows)."""
+        this rank's src tensor (it names learned sizes its shape shows). A box bridge
+        takes no batch (the redistributor refuses ``src=``/``dst=`` before this)."""
         if not self.free:
-            return self.fwd_program, self.bwd_program, None
+            return Programs(self.fwd_program, self.bwd_program, None)
         if not torch.compiler.is_compiling():
-            return (*self.programs_at(_size_key(full)), None)
+            fwd, bwd = self.programs_at(_size_key(full))
+            return Programs(fwd, bwd, None)
         t = self.template
         if t is not None and self._fits_compiled(t, full, learned):
             env = t.env(full)
@@ -197,7 +271,7 @@ class Sizing(CallSizes):
             if learned:
                 values = self._fresh(values, t.variables, x)
                 values = self._from_local(x, values, t, full)
-            return self.fwd_program, self.bwd_program, values
+            return Programs(self.fwd_program, self.bwd_program, values)
         if learned:
             raise_now(
                 self.context + f"sizes learned under torch.compile must fit the bridge's "
@@ -205,7 +279,8 @@ class Sizing(CallSizes):
                 f"give the sizes in the call, or run these sizes eagerly")
         # sizes the template does not serve: a graph of their own (Dynamo specialises)
         key = _size_key({d: _concrete(n) for d, n in full.items()})
-        return (*_programs_for(self.name, key), None)
+        fwd, bwd = _programs_for(self.name, key)
+        return Programs(fwd, bwd, None)
 
     def _fits_compiled(self, t: Template, full: dict, learned: frozenset) -> bool:
         """Whether traced sizes fit the template: a learned size is asserted to (the
@@ -299,6 +374,25 @@ class Sizing(CallSizes):
         made = set(self.groups["forward" if layouts == (self.src, self.dst) else "backward"])
         missing = not set(plan_groups(*layouts, sizes)) <= made
         return plan_for_rank(*layouts, sizes, self.dtype, rank=self.rank, all_to_all=missing)
+
+    def summary(self) -> list[str]:
+        if self.free:
+            t = self.template
+            return [f": sizes of {', '.join(self.free)} learned or given per call; "
+                    f"template: {t.describe() if t else 'none (each size planned by itself)'}"]
+        from mimo_fx.plan import format_bytes
+        from mimo_fx.plan import plan as whole_plan
+
+        out = []
+        for what, layouts, program in (("forward", (self.src, self.dst), self.fwd_program),
+                                       ("backward", self.adjoint, self.bwd_program)):
+            # the bytes need the whole plan: planned here only when someone asks for them
+            p = whole_plan(layouts[0], layouts[1], self.fixed, self.dtype)
+            calls = ", ".join(f"{op.kind.value} over {len(op.ranks)} ranks"
+                              for op in program.ops) or "no collective"
+            out.append(f" {what}: {calls}; sends {format_bytes(p.bytes_sent.get(self.rank, 0))}"
+                       f", receives {format_bytes(p.bytes_recv.get(self.rank, 0))}")
+        return out
 
     def forget(self) -> None:
         """Drop the cached programs (the bridge is destroyed)."""
