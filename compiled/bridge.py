@@ -56,7 +56,8 @@ from .comm import Comm
 from .executor import CompiledExecutor, Numbers
 from .lease import Lease, keep_alive, release_later
 from .p2p import CHECKS, SIZES, Channel, Routed
-from .redistributor import Redistributor, _flat_sizes, fold_call, placeholder
+from .redistributor import Redistributor, fold_call, placeholder
+from .sizing import flat_sizes
 from .timeouts import cause, wait_time
 
 __all__ = ["Bridge"]
@@ -174,7 +175,7 @@ class Bridge(Redistributor):
         row = self.sizing.size_row(x, self.device)
         data = self.sizing.batch(batch)
         if data:
-            values, spec = _flat_sizes(known)
+            values, spec = flat_sizes(known)
             fold_call(row, values, spec, data)
         return row
 

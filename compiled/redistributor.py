@@ -43,7 +43,7 @@ from .lease import Lease, release_later, require_world
 from .live import BRIDGES
 from .options import Options, require_compiler
 from .rows import key_of, sizing_for
-from .sizing import CACHED_SIZES, CALL_OPTIONS, _size_key
+from .sizing import CACHED_SIZES, CALL_OPTIONS, _size_key, flat_sizes, read_sizes
 from .timeouts import cause, wait_time
 
 __all__ = ["Redistributor", "Pending", "CALL_OPTIONS", "CACHED_SIZES", "placeholder",
@@ -429,7 +429,7 @@ class Redistributor:
         the graph runs, raising the eager call's error on every rank."""
         row = self.sizing.size_row(x, self.device)
         batch = self.sizing.batch(layouts)
-        values, spec = _flat_sizes(known)
+        values, spec = flat_sizes(known)
         if not torch.compiler.is_compiling():  # (the exchange learns them as it judges)
             return _exchange_eager(self, row, values, batch, spec)[1]
         rows = _EXCHANGE(row, values, batch, self.name, spec)
@@ -584,37 +584,9 @@ def _traced_handle(bridge: Redistributor) -> Redistributor:
     return handle
 
 
-def _flat_sizes(sizes: dict) -> tuple[list, str]:
-    """Sizes as one list of ints and a spec to read them back (``b``, ``t=3``)."""
-    values: list = []
-    spec = []
-    for d, n in sizes.items():
-        if isinstance(n, tuple):
-            values += list(n)
-            spec.append(f"{d}={len(n)}")
-        else:
-            values.append(n)
-            spec.append(d)
-    return values, ",".join(spec)
-
-
-def _read_sizes(values: list, spec: str) -> dict:
-    out: dict = {}
-    at = 0
-    for part in filter(None, spec.split(",")):
-        d, _, n = part.partition("=")
-        if n:
-            out[d] = tuple(values[at:at + int(n)])
-            at += int(n)
-        else:
-            out[d] = values[at]
-            at += 1
-    return out
-
-
 def fold_call(row: torch.Tensor, known, spec: str, batch) -> torch.Tensor:
     """``row`` (a size row), its fingerprint folding in the sizes a call gives
-    (``known``, flat as :func:`_flat_sizes` makes them, with their ``spec``) and its
+    (``known``, flat as :func:`flat_sizes` makes them, with their ``spec``) and its
     batch's data: ranks whose calls differ in either send different rows."""
     row[1] = fingerprint(int(row[1]), [int(v) for v in known], spec,
                          [b.tolist() for b in batch])
@@ -633,7 +605,7 @@ def _exchange_eager(self: Redistributor, row: torch.Tensor, known, batch,
     """:func:`_exchange_impl`'s rows, and every size they give."""
     known = [int(v) for v in known]
     mine = fold_call(row.clone(), known, spec, batch)
-    sizes = _read_sizes(known, spec)
+    sizes = read_sizes(known, spec)
     key = (tuple(mine.tolist()), spec)
     agreed = self._agreed
     if agreed is not None and agreed[0] == key and not self.sizing.missing(sizes):

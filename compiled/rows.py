@@ -36,7 +36,7 @@ from mimo_fx.rows import (
 from . import lowering
 from .guard import runtime_check
 from .live import BRIDGES
-from .sizing import CallSizes, Programs, Sizing
+from .sizing import CallSizes, Programs, Sizing, flat_sizes, read_sizes
 
 __all__ = ["RowSizing", "key_of", "sizing_for"]
 
@@ -225,33 +225,19 @@ def _key(layout, full: dict, rows: tuple[str, ...]) -> tuple:
 
 def _data(layout, full: dict, rows: tuple[str, ...], device) -> torch.Tensor:
     """A layout's batch as one int64 tensor: a row layout's own data, a box layout's
-    row sizes (a ragged dim's counts)."""
+    row sizes (a ragged dim's counts) as :func:`~.sizing.flat_sizes` flattens them."""
     if is_row_layout(layout):
         return layout.data
     from .guard import int_tensor
 
-    values: list = []
-    for d in rows:
-        n = full[d]
-        values += list(n) if isinstance(n, tuple) else [n]
-    return int_tensor(values, "cpu")
+    return int_tensor(flat_sizes({d: full[d] for d in rows})[0], "cpu")
 
 
-def _from_data(layout, values: list[int], rows: tuple[str, ...], full: dict):
+def _from_data(layout, values: list[int], spec: str):
     """The layout (and row sizes) a batch's ints stand for."""
     if is_row_layout(layout):
         return PackedLayout.from_data(layout.structure, values), {}
-    sizes: dict = {}
-    at = 0
-    for d in rows:
-        n = full[d]
-        if isinstance(n, tuple):
-            sizes[d] = tuple(values[at:at + len(n)])
-            at += len(n)
-        else:
-            sizes[d] = values[at]
-            at += 1
-    return layout, sizes
+    return layout, read_sizes(values, spec)
 
 
 _LIB = torch.library.Library("mimo_fx", "FRAGMENT")
@@ -259,26 +245,15 @@ _OUTPUTS = len(ROUTE_INDEX) + 1
 
 
 def _spec(full: dict, rows: tuple[str, ...]) -> str:
-    """The shape of a call's row sizes, for the route op: ``t=3`` (three counts) or
-    ``t`` (one size) per row dim."""
-    return ",".join(f"{d}={len(full[d])}" if isinstance(full.get(d), tuple) else d
-                    for d in rows)
-
-
-def _shape_of(spec: str) -> dict:
-    out: dict = {}
-    for part in filter(None, spec.split(",")):
-        d, _, n = part.partition("=")
-        out[d] = (0,) * int(n) if n else 0
-    return out
+    """How a call's row sizes read back from a box side's ints (:func:`_data`)."""
+    return flat_sizes({d: full[d] for d in rows})[1]
 
 
 def _route_impl(src_data: torch.Tensor, dst_data: torch.Tensor, bridge: str):
     name, _, spec = bridge.rpartition("|")  # (a name may hold "|"; a spec never does)
     sizing = BRIDGES[name].sizing
-    full = _shape_of(spec)
-    src, s_sizes = _from_data(sizing.src, src_data.tolist(), sizing.rows, full)
-    dst, d_sizes = _from_data(sizing.dst, dst_data.tolist(), sizing.rows, full)
+    src, s_sizes = _from_data(sizing.src, src_data.tolist(), spec)
+    dst, d_sizes = _from_data(sizing.dst, dst_data.tolist(), spec)
     full = {**s_sizes, **d_sizes}
     route, index = sizing.route(src, dst, full, src_data.device)
     counts = torch.tensor((*route.counts, sizing._digest(src, dst, full)), dtype=torch.int64)

@@ -399,6 +399,36 @@ class Sizing(CallSizes):
         self._cache.clear()
 
 
+def flat_sizes(sizes: dict) -> tuple[list, str]:
+    """Sizes as one list of ints and a spec to read them back (``b``, ``t=3``)."""
+    values: list = []
+    spec = []
+    for d, n in sizes.items():
+        if isinstance(n, tuple):
+            values += list(n)
+            spec.append(f"{d}={len(n)}")
+        else:
+            values.append(n)
+            spec.append(d)
+    return values, ",".join(spec)
+
+
+def read_sizes(values: list, spec: str) -> dict:
+    """The sizes :func:`flat_sizes` flattened, read back from its ``values`` and ``spec``
+    (the one encoding of sizes as ints: size exchanges and row routes use it)."""
+    out: dict = {}
+    at = 0
+    for part in filter(None, spec.split(",")):
+        d, _, n = part.partition("=")
+        if n:
+            out[d] = tuple(values[at:at + int(n)])
+            at += int(n)
+        else:
+            out[d] = values[at]
+            at += 1
+    return out
+
+
 @torch.compiler.assume_constant_result
 def _programs_for(bridge: str, key: tuple) -> tuple[Any, Any]:
     """A bridge's plain programs for sizes its template does not serve: computed while
