@@ -65,16 +65,15 @@ class RowSizing(CallSizes):
 
     def __init__(self, src, dst, fixed: dict | None, dtype: torch.dtype,
                  grad_partial: tuple[str, ...], rank: int, context: str) -> None:
-        for lay in (src, dst):
-            if not is_row_layout(lay):
-                check_box_side(lay, row_dims(src, dst))
+        self.rows = row_dims(src, dst)
+        self.sides = (_side(src, self.rows), _side(dst, self.rows))
         self.src, self.dst, self.dtype, self.rank = src, dst, dtype, rank
         self.grad_partial, self.context = tuple(grad_partial), context
-        self.rows = row_dims(src, dst)
         self.features = tuple(d for d in src.dims if d not in self.rows)
         self.fixed = size_arguments(src, dst, fixed, {}, "Redistributor", ()) if fixed else {}
-        implied = self.rows if len(self.rows) == 1 and is_row_layout(src) \
-            and is_row_layout(dst) else ()
+        # one row dim whose count both sides' batches give: no call gives or learns it
+        implied = self.rows if len(self.rows) == 1 and all(
+            side.counts_rows for side in self.sides) else ()
         self.free = tuple(d for d in src.dims if d not in self.fixed and d not in implied)
         self.union = tuple(sorted(set(src.grid.ranks) | set(dst.grid.ranks)))
         union = (self.union,) if len(self.union) > 1 else ()
@@ -100,8 +99,8 @@ class RowSizing(CallSizes):
 
     # -- a call's sizes (given, missing: CallSizes) ----------------------------------------
     def batch(self, layouts: dict) -> list[torch.Tensor]:
-        return [lay.data for lay in (layouts.get("src", self.src), layouts.get("dst", self.dst))
-                if is_row_layout(lay)]
+        src, dst = self.sides
+        return src.batch(layouts.get("src", self.src)) + dst.batch(layouts.get("dst", self.dst))
 
     @property
     def varies(self) -> bool:
@@ -120,18 +119,8 @@ class RowSizing(CallSizes):
     def sizes_from(self, rows: torch.Tensor, known: dict, ranks=None) -> dict:
         """The sizes the src holders' shapes show (see :mod:`.learn`): a box src's every
         dim; a row src's features only (its rows are its batch's)."""
-        from .learn import learn_sizes
-
-        if not is_row_layout(self.src):
-            return learn_sizes(rows, ranks or self.union, self.src, known,
-                               self.print_, self.dtype, self.context)
-        out = dict(known)
-        holders = [i for i, r in enumerate(ranks or self.union) if self.src.holds(r)]
-        # the first holder's feature sizes only (each entry read is a SymInt in a graph)
-        row = rows.view(len(ranks or self.union), -1)[holders[0], 5:5 + len(self.features)]
-        for d, size in zip(self.features, row.tolist()):
-            out.setdefault(d, size)
-        return out
+        return self.sides[0].sizes_from(self, rows.view(len(ranks or self.union), -1),
+                                        known, ranks or self.union)
 
     # -- the route and the programs ------------------------------------------------------
     def programs(self, full: dict, learned: frozenset, x=None, src=None, dst=None
@@ -146,8 +135,8 @@ class RowSizing(CallSizes):
             self._last = (src, dst)
         if torch.compiler.is_compiling():
             index, counts = _route_op(f"{self.name}|{_spec(full, self.rows)}",
-                                      _data(src, full, self.rows, device),
-                                      _data(dst, full, self.rows, device))
+                                      self.sides[0].data(src, full),
+                                      self.sides[1].data(dst, full))
             values = counts.tolist()
             digest = values.pop()
             for v in values:
@@ -163,7 +152,7 @@ class RowSizing(CallSizes):
         """A batch's digest (checked mode compares it across ranks)."""
         from .guard import fingerprint
 
-        return fingerprint(_key(src, full, self.rows), _key(dst, full, self.rows))
+        return fingerprint(self.sides[0].key(src, full), self.sides[1].key(dst, full))
 
     def plan(self, src, dst, full: dict):
         """The row plan of a batch (every rank's part: checked mode names any rank's)."""
@@ -177,7 +166,7 @@ class RowSizing(CallSizes):
     def route(self, src, dst, full: dict, device=None):
         """This rank's route for a batch and its index vectors (planned once per
         batch, cached)."""
-        key = (_key(src, full, self.rows), _key(dst, full, self.rows), str(device))
+        key = (self.sides[0].key(src, full), self.sides[1].key(dst, full), str(device))
         hit = self._plans.get(key)
         if hit is None:
             route = self.plan(src, dst, full).route(self.rank)
@@ -217,27 +206,74 @@ class RowSizing(CallSizes):
 
 
 # -- a batch as ints, and the route op ----------------------------------------------------
-def _key(layout, full: dict, rows: tuple[str, ...]) -> tuple:
-    if is_row_layout(layout):
+class _BoxSide:
+    """A box layout on one side of a row bridge: it holds whole rows (checked), and a
+    call's batch on it is the row dims' sizes (a ragged dim's counts)."""
+
+    counts_rows = False  # the row sizes are given or learned per call
+
+    def __init__(self, layout, rows: tuple[str, ...]) -> None:
+        check_box_side(layout, rows)
+        self.layout, self.rows = layout, rows
+
+    def batch(self, layout) -> list[torch.Tensor]:
+        return []  # (its row sizes are in the call's sizes, which size rows carry)
+
+    def key(self, layout, full: dict) -> tuple:
+        return tuple(full.get(d) for d in self.rows)
+
+    def data(self, layout, full: dict) -> torch.Tensor:
+        """The row sizes as one int64 tensor (as :func:`~.sizing.flat_sizes` flattens)."""
+        from .guard import int_tensor
+
+        return int_tensor(flat_sizes({d: full[d] for d in self.rows})[0], "cpu")
+
+    def from_data(self, values: list[int], spec: str) -> tuple[Any, dict]:
+        return self.layout, read_sizes(values, spec)
+
+    def sizes_from(self, sizing: RowSizing, rows: torch.Tensor, known: dict,
+                   ranks: tuple[int, ...]) -> dict:
+        from .learn import learn_sizes
+
+        return learn_sizes(rows, ranks, self.layout, known, sizing.print_, sizing.dtype,
+                           sizing.context)
+
+
+class _PackedSide:
+    """A row layout on one side: a call's batch is the layout's own data (one bridge
+    serves every batch of its structure)."""
+
+    counts_rows = True  # a batch's lengths give its rows
+
+    def __init__(self, layout, rows: tuple[str, ...]) -> None:
+        self.layout = layout
+
+    def batch(self, layout) -> list[torch.Tensor]:
+        return [layout.data]
+
+    def key(self, layout, full: dict) -> tuple:
         return (layout.lengths, layout.tokens)
-    return tuple(full.get(d) for d in rows)
 
-
-def _data(layout, full: dict, rows: tuple[str, ...], device) -> torch.Tensor:
-    """A layout's batch as one int64 tensor: a row layout's own data, a box layout's
-    row sizes (a ragged dim's counts) as :func:`~.sizing.flat_sizes` flattens them."""
-    if is_row_layout(layout):
+    def data(self, layout, full: dict) -> torch.Tensor:
         return layout.data
-    from .guard import int_tensor
 
-    return int_tensor(flat_sizes({d: full[d] for d in rows})[0], "cpu")
+    def from_data(self, values: list[int], spec: str) -> tuple[Any, dict]:
+        return PackedLayout.from_data(self.layout.structure, values), {}
+
+    def sizes_from(self, sizing: RowSizing, rows: torch.Tensor, known: dict,
+                   ranks: tuple[int, ...]) -> dict:
+        out = dict(known)
+        holders = [i for i, r in enumerate(ranks) if self.layout.holds(r)]
+        # the first holder's feature sizes only (each entry read is a SymInt in a graph)
+        row = rows[holders[0], 5:5 + len(sizing.features)]
+        for d, size in zip(sizing.features, row.tolist()):
+            out.setdefault(d, size)
+        return out
 
 
-def _from_data(layout, values: list[int], spec: str):
-    """The layout (and row sizes) a batch's ints stand for."""
-    if is_row_layout(layout):
-        return PackedLayout.from_data(layout.structure, values), {}
-    return layout, read_sizes(values, spec)
+def _side(layout, rows: tuple[str, ...]) -> _BoxSide | _PackedSide:
+    """One side of a row bridge, the one place :class:`RowSizing` asks its kind."""
+    return (_PackedSide if is_row_layout(layout) else _BoxSide)(layout, rows)
 
 
 _LIB = torch.library.Library("mimo_fx", "FRAGMENT")
@@ -245,15 +281,16 @@ _OUTPUTS = len(ROUTE_INDEX) + 1
 
 
 def _spec(full: dict, rows: tuple[str, ...]) -> str:
-    """How a call's row sizes read back from a box side's ints (:func:`_data`)."""
-    return flat_sizes({d: full[d] for d in rows})[1]
+    """How a call's row sizes read back from a box side's ints (:meth:`_BoxSide.data`);
+    a row dim both sides' batches count is in no call's sizes (read as one int)."""
+    return flat_sizes({d: full.get(d, 0) for d in rows})[1]
 
 
 def _route_impl(src_data: torch.Tensor, dst_data: torch.Tensor, bridge: str):
     name, _, spec = bridge.rpartition("|")  # (a name may hold "|"; a spec never does)
     sizing = BRIDGES[name].sizing
-    src, s_sizes = _from_data(sizing.src, src_data.tolist(), spec)
-    dst, d_sizes = _from_data(sizing.dst, dst_data.tolist(), spec)
+    src, s_sizes = sizing.sides[0].from_data(src_data.tolist(), spec)
+    dst, d_sizes = sizing.sides[1].from_data(dst_data.tolist(), spec)
     full = {**s_sizes, **d_sizes}
     route, index = sizing.route(src, dst, full, src_data.device)
     counts = torch.tensor((*route.counts, sizing._digest(src, dst, full)), dtype=torch.int64)
