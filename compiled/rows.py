@@ -65,14 +65,14 @@ class RowSizing(CallSizes):
 
     def __init__(self, src, dst, fixed: dict | None, dtype: torch.dtype,
                  grad_partial: tuple[str, ...], rank: int, context: str) -> None:
-        self.rows = row_dims(src, dst)
-        self.sides = (_side(src, self.rows), _side(dst, self.rows))
+        self.row_dims = row_dims(src, dst)
+        self.sides = (_side(src, self.row_dims), _side(dst, self.row_dims))
         self.src, self.dst, self.dtype, self.rank = src, dst, dtype, rank
         self.grad_partial, self.context = tuple(grad_partial), context
-        self.features = tuple(d for d in src.dims if d not in self.rows)
+        self.features = tuple(d for d in src.dims if d not in self.row_dims)
         self.fixed = size_arguments(src, dst, fixed, {}, "Redistributor", ()) if fixed else {}
         # one row dim whose count both sides' batches give: no call gives or learns it
-        implied = self.rows if len(self.rows) == 1 and all(
+        implied = self.row_dims if len(self.row_dims) == 1 and all(
             side.counts_rows for side in self.sides) else ()
         self.free = tuple(d for d in src.dims if d not in self.fixed and d not in implied)
         self.union = tuple(sorted(set(src.grid.ranks) | set(dst.grid.ranks)))
@@ -134,7 +134,7 @@ class RowSizing(CallSizes):
         if not torch.compiler.is_compiling():
             self._last = (src, dst)
         if torch.compiler.is_compiling():
-            index, counts = _route_op(f"{self.name}|{_spec(full, self.rows)}",
+            index, counts = _route_op(f"{self.name}|{_spec(full, self.row_dims)}",
                                       self.sides[0].data(src, full),
                                       self.sides[1].data(dst, full))
             values = counts.tolist()
@@ -156,7 +156,7 @@ class RowSizing(CallSizes):
 
     def plan(self, src, dst, full: dict):
         """The row plan of a batch (every rank's part: checked mode names any rank's)."""
-        sizes = {d: full[d] for d in self.rows if d in full}
+        sizes = {d: full[d] for d in self.row_dims if d in full}
         sizes.update({d: 1 for d in self.features})  # (rows do not depend on them)
         try:
             return plan_layouts(src, dst, sizes, self.dtype.itemsize, self.grad_partial)
@@ -214,19 +214,19 @@ class _BoxSide:
 
     def __init__(self, layout, rows: tuple[str, ...]) -> None:
         check_box_side(layout, rows)
-        self.layout, self.rows = layout, rows
+        self.layout, self.row_dims = layout, rows
 
     def batch(self, layout) -> list[torch.Tensor]:
         return []  # (its row sizes are in the call's sizes, which size rows carry)
 
     def key(self, layout, full: dict) -> tuple:
-        return tuple(full.get(d) for d in self.rows)
+        return tuple(full.get(d) for d in self.row_dims)
 
     def data(self, layout, full: dict) -> torch.Tensor:
         """The row sizes as one int64 tensor (as :func:`~.sizing.flat_sizes` flattens)."""
         from .guard import int_tensor
 
-        return int_tensor(flat_sizes({d: full[d] for d in self.rows})[0], "cpu")
+        return int_tensor(flat_sizes({d: full[d] for d in self.row_dims})[0], "cpu")
 
     def from_data(self, values: list[int], spec: str) -> tuple[Any, dict]:
         return self.layout, read_sizes(values, spec)

@@ -59,13 +59,7 @@ def step_matrix(p: Plan, step: Step) -> dict[tuple[int, int], int]:
 def transfer_matrix(p: Plan | RowPlan) -> dict[tuple[int, int], int]:
     """``{(sender, receiver): bytes}`` over all steps of ``p``; pairs with no traffic absent
     (a row plan: its forward all-to-all)."""
-    if isinstance(p, RowPlan):
-        return {pair: n * p.row_bytes for pair, n in sorted(p.pairs().items())}
-    total: dict[tuple[int, int], int] = defaultdict(int)
-    for step in p.steps:
-        for pair, n in step_matrix(p, step).items():
-            total[pair] += n
-    return dict(sorted(total.items()))
+    return _account(p).matrix()
 
 
 def _ranks(p: Plan | RowPlan) -> list[int]:
@@ -233,25 +227,78 @@ def _check_row_plan(p: RowPlan) -> None:
 
 def explain(p: Plan | RowPlan) -> str:
     """A readable account of ``p``: steps, holdings, transfer matrix, transfers, bytes."""
-    matrix = transfer_matrix(p)
-    if isinstance(p, RowPlan):  # rows a layout lists, not boxes
-        _check_row_plan(p)
-        sections = [
-            str(p), f"collectives: one all_to_all over {len(p.ranks)} ranks each way",
-            _summary(p), "what each rank holds (src) and needs (dst):\n" + _row_holdings(p),
-            _matrix_text(p, matrix), _row_transfers_text(p),
-            "bytes per rank:\n" + rank_table(p)]
-        return "\n\n".join(s for s in sections if s) + "\n"
+    account = _account(p)
     sections = [
         str(p),
-        _collectives_text(p),
+        account.collectives(),
         _summary(p),
-        "what each rank holds (src) and needs (dst):\n" + _holdings(p),
-        _matrix_text(p, matrix),
-        "\n".join(_transfers_text(p)),
+        "what each rank holds (src) and needs (dst):\n" + account.holdings(),
+        _matrix_text(p, account.matrix()),
+        account.transfers(),
         "bytes per rank:\n" + rank_table(p),
     ]
     return "\n\n".join(s for s in sections if s) + "\n"
+
+
+class _BoxAccount:
+    """What explain and the picture say of a plan of boxes (steps of regions)."""
+
+    def __init__(self, p: Plan) -> None:
+        self.p = p
+
+    def matrix(self) -> dict[tuple[int, int], int]:
+        total: dict[tuple[int, int], int] = defaultdict(int)
+        for step in self.p.steps:
+            for pair, n in step_matrix(self.p, step).items():
+                total[pair] += n
+        return dict(sorted(total.items()))
+
+    def collectives(self) -> str:
+        return _collectives_text(self.p)
+
+    def holdings(self) -> str:
+        return _holdings(self.p)
+
+    def transfers(self) -> str:
+        return "\n".join(_transfers_text(self.p))
+
+    def picture(self) -> tuple[_Regions, _Regions, int, str]:
+        p = self.p
+        sizes = " ".join(f"{d}={n}" for d, n in p.sizes)
+        return (_box_regions(p, src_tiling(p)), _box_regions(p, p.need), len(p.steps),
+                f"mimo_fx plan ({sizes}, {p.itemsize} B/elem): {_collectives_text(p)}")
+
+
+class _RowAccount:
+    """The same of a row plan: the rows each layout lists, one all-to-all each way."""
+
+    def __init__(self, p: RowPlan) -> None:
+        self.p = p
+
+    def matrix(self) -> dict[tuple[int, int], int]:
+        return {pair: n * self.p.row_bytes for pair, n in sorted(self.p.pairs().items())}
+
+    def collectives(self) -> str:
+        return f"collectives: one all_to_all over {len(self.p.ranks)} ranks each way"
+
+    def holdings(self) -> str:
+        _check_row_plan(self.p)
+        return _row_holdings(self.p)
+
+    def transfers(self) -> str:
+        return _row_transfers_text(self.p)
+
+    def picture(self) -> tuple[_Regions, _Regions, int, str]:
+        p = self.p
+        _check_row_plan(p)
+        return (_row_regions(p, p.src_rows), _row_regions(p, p.dst_rows), 1,
+                f"mimo_fx row plan ({p.n_rows} rows of {p.row_bytes} B): one all_to_all "
+                f"over {len(p.ranks)} ranks each way")
+
+
+def _account(p: Plan | RowPlan) -> _BoxAccount | _RowAccount:
+    """The one place explain asks which kind of plan it has."""
+    return _RowAccount(p) if isinstance(p, RowPlan) else _BoxAccount(p)
 
 
 # -- picture --------------------------------------------------------------------------------
@@ -347,18 +394,6 @@ def _heat(p: Plan | RowPlan, matrix: dict[tuple[int, int], int]):
     return dense / scale, unit, ranks, block
 
 
-def _png_parts(p: Plan | RowPlan) -> tuple[_Regions, _Regions, int, str]:
-    """What each grid holds, the number of steps and the headline of the picture."""
-    if isinstance(p, RowPlan):
-        _check_row_plan(p)
-        return (_row_regions(p, p.src_rows), _row_regions(p, p.dst_rows), 1,
-                f"mimo_fx row plan ({p.n_rows} rows of {p.row_bytes} B): one all_to_all "
-                f"over {len(p.ranks)} ranks each way")
-    sizes = " ".join(f"{d}={n}" for d, n in p.sizes)
-    return (_box_regions(p, src_tiling(p)), _box_regions(p, p.need), len(p.steps),
-            f"mimo_fx plan ({sizes}, {p.itemsize} B/elem): {_collectives_text(p)}")
-
-
 def draw_png(p: Plan | RowPlan, path: str) -> None:
     """Draw ``p`` to ``path``: src grid, dst grid, and the rank x rank transfer heat map."""
     figure = _figure_class()
@@ -366,7 +401,7 @@ def draw_png(p: Plan | RowPlan, path: str) -> None:
     import numpy as np
     from matplotlib import colormaps
 
-    held, needed, steps, headline = _png_parts(p)
+    held, needed, steps, headline = _account(p).picture()
     fig = figure(figsize=(16, 5.5), layout="constrained")
     left, middle, right = fig.subplots(1, 3, width_ratios=[1, 1, 1.25])
     cmap = colormaps["tab20"]
