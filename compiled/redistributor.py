@@ -30,8 +30,8 @@ from torch._C._functorch import TransformType, peek_interpreter_stack
 
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
+from mimo_fx.packed import is_layout, not_a_layout
 from mimo_fx.plan import format_bytes
-from mimo_fx.rows import is_row_layout
 from mimo_fx.vjp import apply
 
 from . import timeouts
@@ -92,8 +92,8 @@ class Redistributor:
         opts = Options(dtype, grad_partial if isinstance(grad_partial, str)  # (refused)
                        else tuple(grad_partial), comm_dtype, checked, device)  # type: ignore[arg-type]
         for side, lay in (("src", src), ("dst", dst)):
-            if not isinstance(lay, Layout) and not is_row_layout(lay):
-                raise MimoFxError(_not_a_layout("Redistributor", side, lay))
+            if not is_layout(lay):
+                raise MimoFxError(not_a_layout("Redistributor", side, lay))
         src, dst = _own(src), _own(dst)
         self.src, self.dst, self.options = src, dst, opts
         self.sizing = sizing_for(src, dst, sizes, opts.dtype, opts.grad_partial, self.rank,
@@ -679,15 +679,6 @@ def _free_slot(slot: tuple | None) -> None:
 def _live(name: str) -> bool:
     bridge = BRIDGES.get(name)
     return bridge is not None and bridge.lease.live
-
-
-def _not_a_layout(where: str, name: str, value) -> str:
-    """The message for something that is not a layout where one belongs."""
-    example = (f"Layout(Grid(...), {value!r})" if isinstance(value, str)
-               else 'Layout(Grid(tp=2, dp=4), "(dp b) s h")')
-    return (f"{where}: {name} must be a layout, got {type(value).__name__} {value!r}; build "
-            f"one with {example} (a grid and a pattern), or a PackedLayout for a packed "
-            f"batch")
 
 
 def _log_plans(bridge: Redistributor) -> None:

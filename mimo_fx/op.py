@@ -26,15 +26,10 @@ def is_dtensor(x) -> bool:
 
 def _check_layout(side: str, layout) -> None:
     """A layout where one belongs, else the error that says how to make one."""
-    from .layout import Layout
-    from .rows import is_row_layout
+    from .packed import is_layout, not_a_layout
 
-    if not isinstance(layout, Layout) and not is_row_layout(layout):
-        hint = (f"Layout(Grid(...), {layout!r})" if isinstance(layout, str)
-                else 'Layout(Grid(tp=2, dp=4), "(dp b) s h")')
-        raise MimoFxError(f"redistribute: {side} must be a layout, got {type(layout).__name__} "
-                          f"{layout!r}; build one with {hint} (a grid and a pattern), or a "
-                          f"PackedLayout for a packed batch")
+    if not is_layout(layout):
+        raise MimoFxError(not_a_layout("redistribute", side, layout))
 
 
 def redistribute(x, src, dst, *, sizes=None, grad_partial=(), comm_dtype=None,

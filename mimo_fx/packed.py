@@ -65,9 +65,10 @@ import torch
 from .constants import constant
 from .errors import MimoFxError
 from .grid import Grid, is_mesh
+from .layout import Layout
 
 __all__ = ["ImageRows", "PackedLayout", "PackedStructure", "Packing", "image_rows",
-           "pack_shard", "pack_unshard"]
+           "is_layout", "not_a_layout", "pack_shard", "pack_unshard"]
 
 
 def _int(value: object, what: str, fix: str) -> int:
@@ -654,3 +655,18 @@ def _check_tokens(tokens: object, total: int) -> tuple[int, ...]:
                           f"{sorted({g for g in out if out.count(g) > 1})[:8]}; each "
                           f"global row is one token")
     return out
+
+
+def is_layout(value: object) -> bool:
+    """Whether ``value`` is a layout the entry points take, of either kind: a
+    :class:`~mimo_fx.layout.Layout` (boxes) or a :class:`PackedLayout` (rows)."""
+    return isinstance(value, Layout | PackedLayout)
+
+
+def not_a_layout(where: str, name: str, value: object) -> str:
+    """The message for something that is not a layout where one belongs."""
+    example = (f"Layout(Grid(...), {value!r})" if isinstance(value, str)
+               else 'Layout(Grid(tp=2, dp=4), "(dp b) s h")')
+    return (f"{where}: {name} must be a layout, got {type(value).__name__} {value!r}; build "
+            f"one with {example} (a grid and a pattern), or a PackedLayout for a packed "
+            f"batch")
