@@ -46,7 +46,7 @@ CACHED_PLANS = 16  # batches whose routes a row bridge keeps (least recently use
 def key_of(layout):
     """What a bridge is built for: a box layout itself, a row layout's structure (one
     bridge serves every batch)."""
-    return layout.structure if is_row_layout(layout) else layout
+    return layout.structure
 
 
 def sizing_for(src, dst, fixed: dict | None, dtype: torch.dtype,

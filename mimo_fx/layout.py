@@ -247,6 +247,13 @@ class Layout:
     def _error(self, message: str) -> MimoFxError:
         return MimoFxError(f"in layout {self.pattern!r} on {self.grid!r}: {message}")
 
+    @property
+    def structure(self) -> Layout:
+        """What a bridge for this layout is built for: a box layout itself (a
+        :class:`~mimo_fx.packed.PackedLayout`'s is its structure without its batch, so
+        one bridge serves every batch)."""
+        return self
+
     # -- printing ------------------------------------------------------------------------
     def __str__(self) -> str:
         return self.pattern
