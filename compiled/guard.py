@@ -421,8 +421,8 @@ class Guard:
 
     def __init__(self, src, dst, rank: int, union: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device, checked: bool, comm, key: tuple,
-                 context: str, name: str, shape_of=None) -> None:
-        self.shape_of = shape_of  # (side, rank, full) -> local shape; None: a box layout's
+                 context: str, name: str, shape_of) -> None:
+        self.shape_of = shape_of  # (side, rank, full) -> local shape (the sizing's)
         self.src, self.dst, self.rank, self.union = src, dst, rank, union
         self.dtype, self.device, self.checked, self.comm = dtype, device, checked, comm
         self.key, self.context = key, context
@@ -433,16 +433,12 @@ class Guard:
 
     # -- what a rank must pass -----------------------------------------------------------
     def expect(self, side: str, rank: int, full: dict) -> Expect:
-        from mimo_fx.local import local_shape
-        from mimo_fx.regions import Tiling
-
         layout = self.src if side == "src" else self.dst
         dims = self.src.dims
         shape = None
         if layout.holds(rank):
             try:
-                shape = (self.shape_of(side, rank, full) if self.shape_of is not None
-                         else local_shape(layout, Tiling.of(layout, dims, full), rank))
+                shape = self.shape_of(side, rank, full)
             except (MimoFxError, TypeError, ValueError):  # sizes a trace cannot know
                 shape = "(unknown: sizes not known while tracing)"
         sizes = ", ".join(f"{d}={full.get(d, '?')}" for d in dims)
