@@ -33,7 +33,7 @@ from torch._dynamo.exc import UserError, UserErrorType
 
 from mimo_fx.errors import MimoFxError
 
-from .live import BRIDGES
+from .live import named
 
 __all__ = ["Expect", "inspect", "problem_text", "Header", "fingerprint", "MAGIC", "OK",
            "HEADER_LEN", "dtype_code", "calls_differ", "Guard", "TracedError",
@@ -282,7 +282,7 @@ def raise_now(message: str) -> None:
 def _guard(bridge: str) -> Guard:
     """Live bridge ``bridge``'s guard (a compiled graph's ops carry the bridge's name, a
     string Dynamo never makes symbolic)."""
-    return BRIDGES[bridge].guard
+    return named(bridge).guard
 
 
 def _fail_traced(key: str, code: int, side: str, x, sizes: tuple) -> None:

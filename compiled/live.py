@@ -1,11 +1,16 @@
 """The live bridges of this process, by name: the one registry of bridge state.
 
-A bridge's state -- its groups, guard, sizing, call counters, description -- lives on
-the bridge object. Code that meets only a bridge's name finds the bridge here: a compiled
-graph's size exchange (its op takes the name, a constant), and a collective's completion
-or failure (its site string begins with the name, see :mod:`.timeouts`). Weak: a bridge
-nobody holds is collected, its entry with it, and a new bridge of the same name starts
-with nothing of the old one's.
+A bridge's state -- its groups, guard, sizing, call counters, description, its last
+source-only result -- lives on the bridge object. Code that meets only a bridge's name
+finds the bridge here: a compiled call (which must reach its bridge through a global,
+see :func:`find`), a compiled graph's size exchange (its op takes the name, a
+constant), a collective's completion or failure (its site string begins with the name,
+see :mod:`.timeouts`) and :func:`mimo_fx.backward` (every bridge's source-only result).
+
+Weak: the registry holds a weak reference to each bridge's traced handle (a second
+object sharing the bridge's state, see :func:`.redistributor._traced_handle`); a bridge
+dropped by its caller leaves the registry when it is collected (its finalizer calls
+:func:`forget`), and a new bridge of the same name starts with nothing of the old one's.
 """
 
 from __future__ import annotations
@@ -13,6 +18,42 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-__all__ = ["BRIDGES"]
+__all__ = ["BRIDGES", "register", "forget", "find", "named", "bridges"]
 
-BRIDGES: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+# name -> a weak reference to the bridge's traced handle
+BRIDGES: dict[str, weakref.ref[Any]] = {}
+
+
+def register(name: str, handle: Any) -> None:
+    """``handle`` (a bridge's traced handle) is the live bridge called ``name``."""
+    BRIDGES[name] = weakref.ref(handle)
+
+
+def forget(name: str, owner: Any = None) -> None:
+    """``name`` is no longer a live bridge -- if it still is ``owner``'s (a handle, or its
+    entry here), when given: a later bridge may have taken the name."""
+    ref = BRIDGES.get(name)
+    if ref is not None and (owner is None or owner is ref or ref() in (owner, None)):
+        del BRIDGES[name]
+
+
+def find(name: str) -> Any:
+    """The live bridge called ``name`` (its traced handle), or None. Plain dict and
+    weakref reads: a compiled call reaches its bridge through here, a global, so that
+    Dynamo keeps the ints it reads from it static."""
+    ref = BRIDGES.get(name)
+    return None if ref is None else ref()
+
+
+def named(name: str) -> Any:
+    """The live bridge called ``name``; KeyError if there is none (a graph's op naming a
+    bridge that was destroyed)."""
+    bridge = find(name)
+    if bridge is None:
+        raise KeyError(name)
+    return bridge
+
+
+def bridges() -> list[Any]:
+    """Every live bridge (their traced handles), in the order they were built."""
+    return [b for b in (ref() for ref in list(BRIDGES.values())) if b is not None]

@@ -17,6 +17,7 @@ A :class:`Redistributor` is four parts with one job each, and the call that runs
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
 import sys
@@ -34,13 +35,12 @@ from mimo_fx.packed import is_layout, not_a_layout
 from mimo_fx.plan import format_bytes
 from mimo_fx.vjp import apply
 
-from . import timeouts
+from . import live, timeouts
 from .agree import agree
 from .executor import CompiledExecutor, Numbers
 from .groups import CHECK
 from .guard import HEADER_LEN, Guard, fingerprint, raise_now
 from .lease import Lease, release_later, require_world
-from .live import BRIDGES
 from .options import Options, require_compiler
 from .rows import key_of, sizing_for
 from .sizing import CACHED_SIZES, CALL_OPTIONS, _size_key, flat_sizes, read_sizes
@@ -100,7 +100,7 @@ class Redistributor:
                                  self._context())
         self.union, self.involved = self.sizing.union, self.rank in self.sizing.union
         self.device = opts.resolved_device()
-        self.name, self._slot = _identity(src, dst, name)
+        self.name, self._named = _identity(src, dst, name), name is not None
         self.sizing.name = self.name
         self._agree()
         # each direction on groups of its own, tagged by the bridge's identity; and a
@@ -114,12 +114,15 @@ class Redistributor:
                            (), tagged + checks)
         # dropped without destroy(): its groups (and the threads and sockets they hold)
         # are released when the next lease is built (see lease.release_later)
-        weakref.finalize(self, _dropped, self.lease, self.name)
         self.source_only = self.involved and not dst.holds(self.rank)
+        # on a source-only rank, the last call's result while its backward has not run
+        # (mimo_fx.backward() runs it)
+        self.source_result: torch.Tensor | None = None
         self.described, self.ran = self._context().rstrip(": "), Counter[str]()  # timeouts
-        BRIDGES[self.name] = self
-        if self.source_only:
-            SOURCE_ONLY.setdefault(self.name, None)
+        self._traced_handle = _traced_handle(self)  # (registers the bridge by its name)
+        # (given the registry's weak reference: a strong one would keep the bridge alive)
+        weakref.finalize(self, _dropped, self.lease, self.name, live.BRIDGES[self.name],
+                         self._named)
         self.executor = CompiledExecutor(self.lease.comm(fwd), comm_dtype,
                                          self.lease.comm(bwd), self.name)
         needs_check_comm = (checked or self.sizing.varies) and checks and self.involved
@@ -136,7 +139,6 @@ class Redistributor:
         self._label = f"mimo_fx.redistribute {src.describe()} -> {dst.describe()}"
         self._require_compiler()
         _log_plans(self)
-        self._traced_handle = _traced_handle(self)
         self._warned_func, self._warned_backward, self._agreed = False, False, None
         # the last eager call with every size given: (its shape and sizes, the exchange it
         # agreed on, the sizes) -- the same call again learns nothing and checks nothing new
@@ -149,11 +151,7 @@ class Redistributor:
         """A bridge that creates groups is built alike on every rank: agree on its whole
         definition first (see :mod:`.agree`)."""
         if len(self.union) > 1:
-            try:
-                agree(self.name, self._definition(), "mimo_fx")
-            except MimoFxError:
-                _free_slot(self._slot)
-                raise
+            agree(self.name, self._definition(), "mimo_fx")
 
     def _require_compiler(self) -> None:
         """The compiler settings this bridge's traced calls need."""
@@ -231,8 +229,7 @@ class Redistributor:
         bridge (a packed layout on a side) takes this call's batch as ``src=`` /
         ``dst=``: layouts of the bridge's structure (default: the bridge's own)."""
         if torch.compiler.is_compiling():
-            ref = _TRACED.get(self.name)
-            handle = None if ref is None else ref()
+            handle = live.find(self.name)
             if handle is None or handle is not self._traced_handle:  # (destroyed)
                 raise_now(f"{self.lease.what} was destroyed; build a new one")
             assert handle is not None
@@ -358,9 +355,9 @@ class Redistributor:
         if self.source_only and y.requires_grad and not _in_transform():
             if not torch.compiler.is_compiling():
                 self._warn_forgotten_backward()
-            # a source-only rank: its backward runs in mimo_fx.backward() (a store under
-            # a key made when the bridge was built: a compiled step guards on no state)
-            SOURCE_ONLY[self.name] = y
+            # a source-only rank: its backward runs in mimo_fx.backward() (an attribute
+            # the bridge was built with: a compiled step guards on no new state)
+            self.source_result = y
         return y
 
     def _warn_forgotten_backward(self) -> None:
@@ -369,7 +366,7 @@ class Redistributor:
         backward would wait for this one until ``MIMO_FX_TIMEOUT``). A warning, not an
         error: if no rank runs that backward (an evaluation with grad enabled), nothing
         is wrong; once per bridge."""
-        last = SOURCE_ONLY.get(self.name)
+        last = self.source_result
         # a result the caller still holds may yet get its backward from the caller
         # (several calls before their backwards, as in GPipe): only one that no one but
         # the store holds (3: the store, ``last`` and getrefcount's argument) is lost
@@ -462,11 +459,8 @@ class Redistributor:
         if self.lease.live:
             self.lease.release()
             self.sizing.forget()
-            SOURCE_ONLY.pop(self.name, None)
-            ref = _TRACED.get(self.name)
-            if ref is not None and ref() is self._traced_handle:
-                del _TRACED[self.name]
-            _free_slot(self._slot)
+            self.source_result = None
+            live.forget(self.name, self._traced_handle)  # (its name, or slot, is free)
 
 
 class Pending:
@@ -520,10 +514,6 @@ class _Resume:
 __all__ += ["HEADER_LEN"]
 
 
-# per bridge, the result of its last call on this rank if the rank holds no dst piece
-SOURCE_ONLY: dict[str, torch.Tensor | None] = {}
-
-
 def backward(loss: torch.Tensor | None = None) -> None:
     """This rank's backward of a step: ``loss.backward()`` where it has a loss, together
     with the backward of every bridge call whose result this rank does not hold (on a
@@ -546,25 +536,23 @@ def _awaiting_backward() -> list[torch.Tensor]:
     """The source-only results whose backward has not run (this rank ran fewer
     backwards than forwards of their bridge), taken off (the keys stay)."""
     out = []
-    for name, y in SOURCE_ONLY.items():
-        if y is not None and timeouts.calls(name, "forward") > timeouts.calls(name, "backward"):
+    for bridge in live.bridges():
+        y, bridge.source_result = bridge.source_result, None
+        if y is not None and (timeouts.calls(bridge.name, "forward")
+                              > timeouts.calls(bridge.name, "backward")):
             out.append(y)
-        SOURCE_ONLY[name] = None
     return out
 
 
 # -- what a compiled call traces ---------------------------------------------------------
-# Under torch.compile a call reaches its bridge's state by the bridge's name through this
-# registry, a global, and not through the variable the caller holds it in. Dynamo
+# Under torch.compile a call reaches its bridge's state by the bridge's name through the
+# registry (:mod:`.live`), a global, and not through the variable the caller holds it in. Dynamo
 # specialises the ints it reads from globals, while an int read through a local (a
 # step's argument or closure) that changed since the last compile of the same code -- a
 # step compiled for one bridge, then for another -- becomes symbolic, and planning code
 # cannot take symbolic ints (a grid's ranks, a fingerprint). The registry holds a second
 # handle on the bridge, sharing its state (Dynamo reaches an object it has seen through
 # the first path it saw it by), weakly: a bridge nobody holds can still be collected.
-_TRACED: dict[str, weakref.ref[Redistributor]] = {}
-
-
 def _own(layout):
     """A box layout's own copy (equal, not the caller's object). Under ``torch.compile``
     the bridge reaches its layouts through its registered handle, a global, whose ints
@@ -580,7 +568,7 @@ def _traced_handle(bridge: Redistributor) -> Redistributor:
     """The bridge's second handle (the bridge keeps it), registered by its name."""
     handle = object.__new__(type(bridge))
     handle.__dict__ = bridge.__dict__  # one state, two handles
-    _TRACED[bridge.name] = weakref.ref(handle)
+    live.register(bridge.name, handle)
     return handle
 
 
@@ -597,7 +585,7 @@ def _exchange_impl(row: torch.Tensor, known, batch, bridge: str, spec: str) -> t
     """Every rank's size row, its fingerprint folding in the sizes the call gives and
     its batch, judged as an eager call judges them (the same error on every rank for a
     bad one)."""
-    return _exchange_eager(BRIDGES[bridge], row, known, batch, spec)[0]
+    return _exchange_eager(live.named(bridge), row, known, batch, spec)[0]
 
 
 def _exchange_eager(self: Redistributor, row: torch.Tensor, known, batch,
@@ -630,21 +618,18 @@ except AttributeError:  # (this module may be executed twice, e.g. by a doctest 
     torch.library.register_fake(
         "mimo_fx::exchange_sizes",
         lambda row, known, batch, bridge, spec: row.new_empty(
-            row.numel() * len(BRIDGES[bridge].union)), lib=_LIB)
+            row.numel() * len(live.named(bridge).union)), lib=_LIB)
     _EXCHANGE = torch.ops.mimo_fx.exchange_sizes.default
     from .comm import register_ordered
 
     register_ordered(_EXCHANGE)
 
 
-_LIVE: dict[str, set[int]] = {}  # per layouts' description: the slots live bridges hold
-
-
-def _identity(src, dst, name: str | None) -> tuple[str, tuple | None]:
+def _identity(src, dst, name: str | None) -> str:
     """A bridge's identity: ``name``, else its layouts' description and its slot among
-    the live bridges described alike (the lowest free one: ranks that build and destroy
-    bridges in one order give every bridge the same slot), and the slot's key (None for
-    a name). Two live bridges never have one identity: their groups, size exchanges and
+    the bridges described alike in the registry (:mod:`.live`; the lowest free one:
+    ranks that build and destroy bridges in one order give every bridge the same slot).
+    Two live bridges never have one identity: their groups, size exchanges and
     source-only backwards would be taken for each other's (bridges of other grids or
     options may be described alike)."""
     if name is not None:
@@ -654,30 +639,26 @@ def _identity(src, dst, name: str | None) -> tuple[str, tuple | None]:
         if _live(name):
             raise MimoFxError(f"name={name!r} is the name of a live bridge; give every "
                               f"bridge a name of its own (or destroy that one first)")
-        return name, None
+        return name
     base = f"{src.describe()} -> {dst.describe()}"
-    taken = _LIVE.setdefault(base, set())
-    k = next(i for i in range(len(taken) + 1) if i not in taken)
-    taken.add(k)
-    return f"{base} #{k}", (base, k)
+    k = next(i for i in itertools.count() if f"{base} #{i}" not in live.BRIDGES)
+    return f"{base} #{k}"
 
 
-def _dropped(lease: Lease, name: str) -> None:
-    """A bridge garbage-collected: its groups go at the next safe point. (Its slot among
-    bridges described alike stays taken: ranks collect at different times, and a freed
-    slot would give the next bridge of those layouts another name on each rank.)"""
+def _dropped(lease: Lease, name: str, ref: weakref.ref, named: bool) -> None:
+    """A bridge garbage-collected: its groups go at the next safe point, and a name the
+    caller gave leaves the registry (``ref``: its entry, if the name is still its own).
+    A slot among bridges described alike stays taken (its entry, now empty, stays):
+    ranks collect at different times, and a freed slot would give the next bridge of
+    those layouts another name on each rank."""
+    if named:
+        live.forget(name, ref)
     if lease.live:
         release_later(lease.release)
-        SOURCE_ONLY.pop(name, None)
-
-
-def _free_slot(slot: tuple | None) -> None:
-    if slot is not None:
-        _LIVE[slot[0]].discard(slot[1])
 
 
 def _live(name: str) -> bool:
-    bridge = BRIDGES.get(name)
+    bridge = live.find(name)
     return bridge is not None and bridge.lease.live
 
 

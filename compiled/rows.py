@@ -35,7 +35,7 @@ from mimo_fx.rows import (
 
 from . import lowering
 from .guard import runtime_check
-from .live import BRIDGES
+from .live import named
 from .sizing import CallSizes, Programs, Sizing, flat_sizes, read_sizes
 
 __all__ = ["RowSizing", "key_of", "sizing_for"]
@@ -288,7 +288,7 @@ def _spec(full: dict, rows: tuple[str, ...]) -> str:
 
 def _route_impl(src_data: torch.Tensor, dst_data: torch.Tensor, bridge: str):
     name, _, spec = bridge.rpartition("|")  # (a name may hold "|"; a spec never does)
-    sizing = BRIDGES[name].sizing
+    sizing = named(name).sizing
     src, s_sizes = sizing.sides[0].from_data(src_data.tolist(), spec)
     dst, d_sizes = sizing.sides[1].from_data(dst_data.tolist(), spec)
     full = {**s_sizes, **d_sizes}
@@ -300,7 +300,7 @@ def _route_impl(src_data: torch.Tensor, dst_data: torch.Tensor, bridge: str):
 def _route_fake(src_data, dst_data, bridge: str):
     ctx = torch.library.get_ctx()
     index = [src_data.new_empty((ctx.new_dynamic_size(),)) for _ in ROUTE_INDEX]
-    n = len(BRIDGES[bridge.rpartition("|")[0]].union)
+    n = len(named(bridge.rpartition("|")[0]).union)
     return (*index, src_data.new_empty((4 * n + 4,)))  # the counts, then the digest
 
 

@@ -32,7 +32,7 @@ from mimo_fx.symbolic import Expr
 
 from . import lowering
 from .guard import TracedError, raise_now, runtime_check
-from .live import BRIDGES
+from .live import named
 
 __all__ = ["CallSizes", "Programs", "Sizing", "CACHED_SIZES", "CALL_OPTIONS"]
 
@@ -436,7 +436,7 @@ def _programs_for(bridge: str, key: tuple) -> tuple[Any, Any]:
     the layouts refuse raise the eager call's error (Dynamo would wrap a plain one as
     an internal error)."""
     try:
-        return BRIDGES[bridge].sizing.programs_at(key)
+        return named(bridge).sizing.programs_at(key)
     except MimoFxError as err:
         raise TracedError(str(err)) from None
 

@@ -18,7 +18,7 @@ import os
 
 from mimo_fx.errors import MimoFxError
 
-from .live import BRIDGES
+from .live import find
 
 __all__ = ["timeout_seconds", "wait_time", "cause", "ENV", "DEFAULT", "site", "ran",
            "failed", "calls"]
@@ -79,13 +79,13 @@ def cause(err: BaseException) -> str:
 
 # -- where a collective was issued: a bridge, a direction, an op of its program ------------
 # A site names its bridge first; the bridge (found by name in the one registry,
-# :data:`.live.BRIDGES`) keeps what errors call it (``described``), whether this rank
+# :mod:`.live`) keeps what errors call it (``described``), whether this rank
 # holds no dst piece of it (``source_only``: its backward runs in ``mimo_fx.backward()``)
 # and how many times each of its sites' collectives completed (``ran``).
 
 
 def _bridge(site_: str):
-    return BRIDGES.get(site_.rsplit("|", 3)[0])
+    return find(site_.rsplit("|", 3)[0])
 
 
 def site(name: str, direction: str, index: int, ranks: tuple[int, ...]) -> str:
@@ -106,7 +106,7 @@ def ran(site_: str) -> None:
 def calls(name: str, direction: str) -> int:
     """How many ``direction`` calls of live bridge ``name`` this rank completed (those
     whose program issues a collective)."""
-    bridge = BRIDGES.get(name)
+    bridge = find(name)
     if bridge is None:
         return 0
     first = f"{name}|{direction}|0|"
