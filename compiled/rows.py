@@ -134,9 +134,11 @@ class RowSizing(CallSizes):
         if not torch.compiler.is_compiling():
             self._last = (src, dst)
         if torch.compiler.is_compiling():
-            index, counts = _route_op(f"{self.name}|{_spec(full, self.row_dims)}",
-                                      self.sides[0].data(src, full),
-                                      self.sides[1].data(dst, full))
+            # the row sizes as ints (a row dim both sides' batches count is in no
+            # call's sizes: read as one int), and how they read back
+            flat, spec = flat_sizes({d: full.get(d, 0) for d in self.row_dims})
+            index, counts = _route_op(f"{self.name}|{spec}", self.sides[0].data(src, flat),
+                                      self.sides[1].data(dst, flat))
             values = counts.tolist()
             digest = values.pop()
             for v in values:
@@ -222,11 +224,12 @@ class _BoxSide:
     def key(self, layout, full: dict) -> tuple:
         return tuple(full.get(d) for d in self.row_dims)
 
-    def data(self, layout, full: dict) -> torch.Tensor:
-        """The row sizes as one int64 tensor (as :func:`~.sizing.flat_sizes` flattens)."""
+    def data(self, layout, flat: list) -> torch.Tensor:
+        """The call's row sizes (``flat``, as :func:`~.sizing.flat_sizes` gives them)
+        as one int64 tensor."""
         from .guard import int_tensor
 
-        return int_tensor(flat_sizes({d: full[d] for d in self.row_dims})[0], "cpu")
+        return int_tensor(flat, "cpu")
 
     def from_data(self, values: list[int], spec: str) -> tuple[Any, dict]:
         return self.layout, read_sizes(values, spec)
@@ -254,7 +257,7 @@ class _PackedSide:
     def key(self, layout, full: dict) -> tuple:
         return (layout.lengths, layout.tokens)
 
-    def data(self, layout, full: dict) -> torch.Tensor:
+    def data(self, layout, flat: list) -> torch.Tensor:
         return layout.data
 
     def from_data(self, values: list[int], spec: str) -> tuple[Any, dict]:
@@ -278,12 +281,6 @@ def _side(layout, rows: tuple[str, ...]) -> _BoxSide | _PackedSide:
 
 _LIB = torch.library.Library("mimo_fx", "FRAGMENT")
 _OUTPUTS = len(ROUTE_INDEX) + 1
-
-
-def _spec(full: dict, rows: tuple[str, ...]) -> str:
-    """How a call's row sizes read back from a box side's ints (:meth:`_BoxSide.data`);
-    a row dim both sides' batches count is in no call's sizes (read as one int)."""
-    return flat_sizes({d: full.get(d, 0) for d in rows})[1]
 
 
 def _route_impl(src_data: torch.Tensor, dst_data: torch.Tensor, bridge: str):
