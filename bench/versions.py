@@ -145,11 +145,26 @@ def _empty_output(kind: str, flat, ranks, out_splits):
     raise ValueError(f"the stub comm knows no collective {kind!r}")
 
 
+class _Posted:
+    """A stubbed posted collective: its output, there at once."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+
+    def wait(self):
+        return self.out
+
+
 class NullComm:
-    """The stub for this tree's comm interface: one method for every kind."""
+    """The stub for this tree's comm interface: one method for every kind, and its
+    posted form (``start``, whose handle's ``wait()`` gives the output), which trees
+    since the overlap work's executor call."""
 
     def collective(self, kind, flat, ranks, out_splits=(), in_splits=(), site=""):
         return _empty_output(kind.value, flat, ranks, out_splits)
+
+    def start(self, kind, flat, ranks, out_splits=(), in_splits=(), site=""):
+        return _Posted(self.collective(kind, flat, ranks, out_splits, in_splits, site))
 
 
 class OldNullComm:
