@@ -112,15 +112,14 @@ class Redistributor:
         checks = [(CHECK, self.union)] if len(self.union) > 1 else []
         self.lease = Lease(f"this bridge {src.describe()!r} -> {dst.describe()!r}",
                            (), tagged + checks)
-        # dropped without destroy(): its groups (and the threads and sockets they hold)
-        # are released when the next lease is built (see lease.release_later)
         self.source_only = self.involved and not dst.holds(self.rank)
-        # on a source-only rank, the last call's result while its backward has not run
-        # (mimo_fx.backward() runs it)
+        # a source-only rank's last result while its backward (mimo_fx.backward) is due
         self.source_result: torch.Tensor | None = None
         self.described, self.ran = self._context().rstrip(": "), Counter[str]()  # timeouts
         self._traced_handle = _traced_handle(self)  # (registers the bridge by its name)
-        # (given the registry's weak reference: a strong one would keep the bridge alive)
+        # dropped without destroy(): its groups (and the threads and sockets they hold)
+        # are released when the next lease is built (see lease.release_later); given
+        # the registry's weak reference (a strong one would keep the bridge alive)
         weakref.finalize(self, _dropped, self.lease, self.name, live.BRIDGES[self.name],
                          self._named)
         self.executor = CompiledExecutor(self.lease.comm(fwd), comm_dtype,
