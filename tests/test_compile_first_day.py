@@ -258,13 +258,17 @@ def test_one_step_function_serves_two_bridges_with_layouts_from_a_closure(item2)
 # -- item 3: redistribute_dtensor across disjoint meshes, shapes changing per call ----------
 EVEN = (8, 16, 24, 12, 40)
 UNEVEN = (5, 7, 9, 10)
+# rows cut over both dims of a 2x2 mesh, DTensor's nested chunks: 9 -> (3, 2, 2, 2), 13 ->
+# (4, 3, 3, 3) (every rank's piece changes at the second call, as above), then 10, 11, 15
+NESTED = (9, 13, 10, 11, 15)
 
 
 def _dtensor_loop(rank: int, dst_placement: str, shapes, backend: str,
-                  dynamic: bool | None = None) -> dict:
+                  dynamic: bool | None = None, nested: bool = False) -> dict:
     """``redistribute_dtensor`` from a dp mesh on ranks 0-1 to a tp mesh on ranks 2-3
     (Shard(0) -> ``dst_placement``), compiled once and called with ``shapes`` rows:
-    values and gradients against full-tensor math, and the graphs compiled."""
+    values and gradients against full-tensor math, and the graphs compiled. ``nested``:
+    from a 2x2 (dp, cp) mesh on ranks 0-3, the rows cut over both (Shard(0) twice)."""
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import DeviceMesh
@@ -274,8 +278,11 @@ def _dtensor_loop(rank: int, dst_placement: str, shapes, backend: str,
     import mimo_fx.interop.dtensor as mdt
 
     src_mesh = DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("dp",))
-    dst_mesh = DeviceMesh("cpu", torch.tensor([2, 3]), mesh_dim_names=("tp",))
     src_p = [Shard(0)]
+    if nested:
+        src_mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("dp", "cp"))
+        src_p = [Shard(0), Shard(0)]
+    dst_mesh = DeviceMesh("cpu", torch.tensor([2, 3]), mesh_dim_names=("tp",))
     dst_p = {"shard": [Shard(1)], "replicate": [Replicate()], "rows": [Shard(0)]}[dst_placement]
     dynamo.reset()
     step = torch.compile(lambda d: mimo_fx.redistribute_dtensor(d, dst_mesh, dst_p),
@@ -285,7 +292,7 @@ def _dtensor_loop(rank: int, dst_placement: str, shapes, backend: str,
     for k, n in enumerate(shapes):
         X, G = _full(20 + k, (n, 6)), _full(40 + k, (n, 6))
         local = distribute_tensor(X, src_mesh, src_p, src_data_rank=None).to_local()
-        holds = rank in (0, 1)
+        holds = rank in src_mesh.mesh.flatten().tolist()
         # off the mesh the local tensor is DTensor's empty placeholder (no grad)
         local = local.clone().requires_grad_(holds)
         dt = DTensor.from_local(local, src_mesh, src_p, run_check=False, shape=X.shape,
@@ -302,7 +309,7 @@ def _dtensor_loop(rank: int, dst_placement: str, shapes, backend: str,
         else:
             y.sum().backward()
         if holds:
-            want = shard(G, Layout(Grid(dp=2), "(dp b) h", split="chunk"))[rank]
+            want = distribute_tensor(G, src_mesh, src_p, src_data_rank=None).to_local()
             if not torch.equal(local.grad, want):
                 problems.append(f"{n} rows: rank {rank} gradient differs from G's shard")
     return {"problems": problems, "graphs": int(counters["stats"]["unique_graphs"]) - before}
@@ -322,6 +329,9 @@ def _item3(rank: int, world: int) -> dict:
     for name, shapes in (("even", EVEN[:3]), ("uneven", UNEVEN[:3])):
         out[f"shard/{name}/inductor"] = _attempt(
             lambda s=shapes: _dtensor_loop(rank, "shard", s, "inductor"))
+    for placement in ("shard", "replicate"):  # rows cut over two mesh dims, uneven
+        out[f"{placement}/nested"] = _attempt(
+            lambda p=placement: _dtensor_loop(rank, p, NESTED, "aot_eager", nested=True))
     for placement in ("shard", "replicate"):  # every size symbolic from the first call
         for name, shapes in (("even", EVEN), ("uneven", UNEVEN)):
             out[f"{placement}/{name}/dynamic"] = _attempt(
@@ -342,6 +352,7 @@ def item3(worlds):
 
 @pytest.mark.parametrize("case", ["shard/even", "replicate/even", "shard/uneven",
                                   "replicate/uneven", "rows/even", "rows/uneven",
+                                  "shard/nested", "replicate/nested",
                                   "shard/even/inductor", "shard/uneven/inductor",
                                   "shard/even/dynamic",
                                   "replicate/even/dynamic", "shard/uneven/dynamic",
@@ -355,11 +366,13 @@ def test_redistribute_dtensor_across_disjoint_meshes_as_shapes_change(item3, cas
 
 @pytest.mark.parametrize("case", ["shard/even", "replicate/even", "shard/uneven",
                                   "replicate/uneven", "rows/even", "rows/uneven",
+                                  "shard/nested", "replicate/nested",
                                   "shard/even/inductor", "shard/uneven/inductor"])
 def test_changing_shapes_compile_two_graphs_per_rank(item3, case):
     # the first shape static, the second makes the shape dynamic: one graph serves the rest,
     # uneven shapes too (the rows dim, which the destination leaves whole or cuts into
-    # as many shards, is ragged over DTensor's chunk sizes, which the bridge takes per call)
+    # as many shards, is ragged over DTensor's chunk sizes, which the bridge takes per
+    # call; nested chunks where two mesh dims cut it)
     assert [res[case]["right"]["graphs"] for res in item3] == [2] * 4
 
 

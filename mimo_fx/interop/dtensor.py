@@ -282,21 +282,22 @@ def _layouts(src_mesh, src_placements, ndim: int, dst_mesh, dst_placements):
 
 
 def _ragged(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
-    """``src`` and ``dst`` with each dim that one axis cuts made ragged where the other
-    side leaves it whole or cuts it over as many shards (then the shards are the same):
-    its shards are DTensor's chunk sizes, given per call as counts (:func:`chunk_counts`).
-    A ragged dim cut only at its counts shares one plan, and one compiled graph, for
-    every size, uneven ones included; an even ``chunk`` cut has one only for sizes its
-    granule divides (docs/sizes.md). Not where either side is partial: a reduction is
-    planned over cuts of known size."""
+    """``src`` and ``dst`` with each cut dim made ragged where the other side leaves it
+    whole or cuts it alike (over axes of the same sizes, in the same order: then the
+    shards are the same): its shards are DTensor's chunk sizes -- nested, first mesh dim
+    outermost, where several mesh dims cut it -- given per call as counts
+    (:func:`chunk_counts`). A ragged dim cut only at its counts shares one plan, and one
+    compiled graph, for every size, uneven ones included; an even ``chunk`` cut has one
+    only for sizes its granule divides (docs/sizes.md). Not where either side is
+    partial: a reduction is planned over cuts of known size."""
     if src.partial or dst.partial:
         return src, dst
     axes: tuple[list[str], list[str]] = ([], [])
     for d in src.dims:
         a, b = src.sharding.get(d, ()), dst.sharding.get(d, ())
-        if len(a) > 1 or len(b) > 1 or set(a) & set(src.zigzag) or set(b) & set(dst.zigzag):
+        if set(a) & set(src.zigzag) or set(b) & set(dst.zigzag):
             continue
-        if a and b and src.shards(d) != dst.shards(d):
+        if a and b and _parts(src, d) != _parts(dst, d):
             continue
         axes[0].extend(a)
         axes[1].extend(b)
@@ -305,14 +306,24 @@ def _ragged(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
     return new[0], new[1]
 
 
-def chunk_counts(size, parts: int) -> tuple:
-    """DTensor's ``torch.chunk`` shard sizes of a dim of ``size`` over ``parts`` ranks
-    (``size`` may be a symbol under ``torch.compile``: the counts are its expressions).
+def _parts(layout: Layout, d: str) -> tuple[int, ...]:
+    """The sizes of the axes that cut dim ``d``, outermost first."""
+    return tuple(layout.grid.axis_size(a) for a in layout.sharding.get(d, ()))
+
+
+def chunk_counts(size, parts: int | tuple[int, ...]) -> tuple:
+    """DTensor's ``torch.chunk`` shard sizes of a dim of ``size`` over ``parts`` ranks,
+    or nested over several mesh dims of ``parts`` sizes (the first outermost; one count
+    per flat shard index). ``size`` may be a symbol under ``torch.compile``: the counts
+    are its expressions.
 
     >>> chunk_counts(5, 2), chunk_counts(7, 4), chunk_counts(1, 3)
     ((3, 2), (2, 2, 2, 1), (1, 0, 0))
+    >>> chunk_counts(5, (2, 2)), chunk_counts(5, 4)   # nested is not flat
+    ((2, 1, 1, 1), (2, 2, 1, 0))
     """
-    return tuple(b - a for a, b in chunk_bounds(size, (parts,)))
+    parts = (parts,) if isinstance(parts, int) else tuple(parts)
+    return tuple(b - a for a, b in chunk_bounds(size, parts))
 
 
 def _free_dims(ndim: int, taken: Sequence) -> tuple[str, ...]:
@@ -408,9 +419,10 @@ def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=
     - on ranks outside both meshes: ``None``.
 
     The shape may change from call to call: one bridge serves them all, and under
-    ``torch.compile`` one graph serves every size of a dim each mesh cuts over at most
-    one mesh dim, into as many shards where both cut it (uneven sizes included: that dim
-    is ragged over DTensor's chunk sizes), and every size of other dims cut evenly. Gradients reach
+    ``torch.compile`` one graph serves every size of a dim that one side cuts and the
+    other leaves whole or cuts alike, over mesh dims of the same sizes (uneven sizes
+    included: that dim is ragged over DTensor's chunk sizes, nested where several mesh
+    dims cut it), and every size of other dims cut evenly. Gradients reach
     ``x``'s local tensor through mimo_fx's custom vjp, with DTensor's
     conventions: a Partial source gets a replicated gradient, a Replicate destination's
     cotangents are taken as equal on every replica (as after ``full_tensor()``), unless
@@ -427,7 +439,7 @@ def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=
     sizes: dict = dict(full)
     for layout in (bridge.src, bridge.dst):  # (a dim both cut: the same counts)
         for d in layout.ragged_dims:
-            sizes[d] = chunk_counts(full[d], layout.shards(d))
+            sizes[d] = chunk_counts(full[d], _parts(layout, d))
     y = bridge(x.to_local() if bridge.src.holds(rank) else None, sizes)
     if y is None or not bridge.dst.holds(rank):
         return y
