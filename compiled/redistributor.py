@@ -533,7 +533,7 @@ def backward(loss: torch.Tensor | None = None) -> None:
 
 def _awaiting_backward() -> list[torch.Tensor]:
     """The source-only results whose backward has not run (this rank ran fewer
-    backwards than forwards of their bridge), taken off (the keys stay)."""
+    backwards than forwards of their bridge), taken off their bridges."""
     out = []
     for bridge in live.bridges():
         y, bridge.source_result = bridge.source_result, None
