@@ -29,11 +29,11 @@ def register(name: str, handle: Any) -> None:
     BRIDGES[name] = weakref.ref(handle)
 
 
-def forget(name: str, owner: Any = None) -> None:
-    """``name`` is no longer a live bridge -- if it still is ``owner``'s (a handle, or its
-    entry here), when given: a later bridge may have taken the name."""
+def forget(name: str, owner: Any) -> None:
+    """``name`` is no longer a live bridge, if it still is ``owner``'s (its handle, or its
+    entry here): a later bridge may have taken the name."""
     ref = BRIDGES.get(name)
-    if ref is not None and (owner is None or owner is ref or ref() in (owner, None)):
+    if ref is not None and (ref is owner or ref() is owner):
         del BRIDGES[name]
 
 

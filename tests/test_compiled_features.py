@@ -355,7 +355,7 @@ def _inductor_and_leaks(rank: int, world: int) -> dict:
     before = len(pg_map)
     src = Layout(Grid(dp=2), "(dp b) h")
     dst = Layout(Grid(tp=2), "b (tp h)")
-    # a group leaked per build shows as CYCLES of them (test_lifecycle.py counts groups,
+    # a group leaked per build shows as LEAK_CYCLES of them (test_lifecycle.py counts groups,
     # descriptors and threads over 200 cycles on 4 ranks); each cycle costs ~60 ms here
     for _ in range(LEAK_CYCLES):
         bridge = Redistributor(src, dst, SIZES)
