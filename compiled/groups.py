@@ -17,11 +17,16 @@ Two lifecycle rules keep gloo's connection setup safe over many build/destroy cy
 a destroyed group stays referenced until the next group has been created (dropping the
 last reference right after ``destroy_process_group`` can close sockets a peer's next
 ``new_group`` is still using), and the registry forgets every group when the default
-process group it was built in is gone.
+process group it was built in is gone. The last reference is then dropped on a thread
+of its own (:class:`_Reaper`): gloo's destructor waits, with the GIL released, for each
+of its transport loops to wake from a 10 ms poll, about 20 ms per group, which a bridge's
+``destroy`` or the next build would otherwise wait out.
 """
 
 from __future__ import annotations
 
+import atexit
+import threading
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 
@@ -33,7 +38,7 @@ from mimo_fx.grid import mesh_groups
 from .comm import forget
 
 __all__ = ["acquire", "release", "group_name", "process_group", "live_groups", "world_token",
-           "check_world", "CHECK", "created", "reused"]
+           "check_world", "CHECK", "created", "reused", "settle"]
 
 CHECK = "check"  # the tag of check groups
 
@@ -70,7 +75,74 @@ def keep_alive(obj: object, done: Callable[[], bool] = lambda: False) -> None:
 
 
 def _purge() -> None:
-    _IN_FLIGHT[:] = [(o, d) for o, d in _IN_FLIGHT if not d()]
+    done = [d() for _, d in _IN_FLIGHT]
+    if any(done):
+        gone = [entry for entry, d in zip(_IN_FLIGHT, done) if d]
+        _IN_FLIGHT[:] = [entry for entry, d in zip(_IN_FLIGHT, done) if not d]
+        # gloo groups handed over with no reference left on this thread (a destructor
+        # runs where the last one goes); the rest dropped here
+        _REAPER.take([o for o in (gone.pop()[0] for _ in range(len(gone)))
+                      if isinstance(o, _OffThread)])
+
+
+class _OffThread:
+    """A retired gloo group, to be dropped on the reaper's thread. (NCCL's are dropped
+    where they are retired: its communicators are not torn down beside other work.)"""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+
+class _Reaper:
+    """Drops process groups on a daemon thread of its own (see the module docstring);
+    :meth:`settle` waits until it has dropped all it was given (at exit too)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._queue: list = []
+        self._busy = 0  # objects being dropped now
+        self._thread: threading.Thread | None = None
+
+    def take(self, objs: list) -> None:
+        with self._cv:
+            self._queue.extend(objs)
+            objs.clear()
+            if self._thread is None or not self._thread.is_alive():
+                if self._thread is None:
+                    atexit.register(self.settle, 10.0)
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="mimo_fx group reaper")
+                self._thread.start()
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                obj = self._queue.pop(0)
+                self._busy += 1
+            del obj  # the last reference: freed here, off the lock
+            with self._cv:
+                self._busy -= 1
+                self._cv.notify_all()
+
+    def settle(self, timeout: float = 60.0) -> bool:
+        """Wait (at most ``timeout`` s) until every object given is dropped."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+
+_REAPER = _Reaper()
+
+
+def settle(timeout: float = 60.0) -> bool:
+    """Wait until destroyed groups are freed (their sockets and threads closed); False if
+    ``timeout`` s passed first. Resource counts (file descriptors, threads) are steady
+    only after it."""
+    return _REAPER.settle(timeout)
 
 
 def require_world(what: str) -> int:
@@ -87,6 +159,7 @@ def require_world(what: str) -> int:
 def _sync_world() -> None:
     require_world("preparing process groups")
     if _WORLD[0] is not dist.group.WORLD:  # a new world: old groups died with the old one
+        _REAPER.settle()
         _GROUPS.clear()
         _IN_FLIGHT.clear()
         _WORLD[0] = dist.group.WORLD
@@ -152,12 +225,14 @@ def release(groups: Iterable[Ranks], tag: str = "", abandon: bool = False) -> No
             if abandon:
                 keep_alive(pg)  # never destroyed: a peer may still take its messages
             elif pg is not dist.group.WORLD and _WORLD[0] is world_token() is not None:
+                gloo = False
                 if isinstance(pg, dist.ProcessGroup):  # not on non-members
+                    gloo = dist.get_backend(pg) == "gloo"
                     forget(pg.group_name)
                     dist.destroy_process_group(pg)
                 # referenced until the next group is created (see the module docstring)
                 _retired_done[0] = False
-                keep_alive(pg, lambda: _retired_done[0])
+                keep_alive(_OffThread(pg) if gloo else pg, lambda: _retired_done[0])
 
 
 _retired_done = [True]  # set when a group is created: retired groups may then go

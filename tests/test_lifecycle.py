@@ -34,6 +34,9 @@ CYCLES = int(os.environ.get("LIFECYCLE_CYCLES", "200"))
 def _resources() -> tuple[int, int, int]:
     import torch.distributed as dist
 
+    from mimo_fx.compiled import groups
+
+    assert groups.settle(), "destroyed groups were not freed within 60 s"  # (a thread frees them)
     fds = len(os.listdir("/proc/self/fd"))
     threads = len(os.listdir("/proc/self/task"))  # native threads too, not only Python's
     return len(dist.distributed_c10d._world.pg_map), fds, threads + threading.active_count()

@@ -943,6 +943,7 @@ def _drops(rank: int, world: int) -> dict:
     from mimo_fx.compiled import groups
 
     def held() -> dict:
+        groups.settle()  # destroyed groups are freed on a thread of their own
         return {"groups": groups.live_groups(), "threads": len(os.listdir("/proc/self/task")),
                 "fds": len(os.listdir("/proc/self/fd"))}
 
