@@ -7,7 +7,8 @@ Two counts, each a property of the code's structure rather than of one spelling:
 - **Module-level state**: names bound at a module's top level to a mutable container
   (``{}``, ``[]``, ``set()``, ``dict()``, ``list()``, ``deque``, ``Counter``,
   ``defaultdict``, ``OrderedDict``, ``WeakValueDictionary``, ``WeakKeyDictionary``,
-  ``WeakSet``, or a dict/list/set comprehension). Each is listed with its module, so a
+  ``WeakSet``, or a dict/list/set comprehension), or to an instance of a class the
+  module defines (an object that may hold state). Each is listed with its module, so a
   reader can tell the kind tables (filled at import, never changed) from the registries a
   bridge's state lives in.
 - **Row special cases outside the layout modules**: every place outside
@@ -49,21 +50,24 @@ def _name(node: ast.AST) -> str:
     return ""
 
 
-def _mutable(value: ast.AST | None) -> bool:
+def _mutable(value: ast.AST | None, classes: set[str]) -> bool:
     if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp,
                           ast.SetComp)):
         return True
-    return isinstance(value, ast.Call) and _name(value.func) in CONTAINERS
+    return isinstance(value, ast.Call) and _name(value.func) in CONTAINERS | classes
 
 
 def module_state(path: Path) -> list[tuple[int, str]]:
     """(line, name) of each module-level name bound to a mutable container (``__all__``
     and other dunders aside)."""
     out: list[tuple[int, str]] = []
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and _mutable(node.value):
+    body = ast.parse(path.read_text()).body
+    classes = {node.name for node in body if isinstance(node, ast.ClassDef)}
+    for node in body:
+        if isinstance(node, ast.Assign) and _mutable(node.value, classes):
             out += [(node.lineno, _name(t)) for t in node.targets if _name(t)]
-        elif isinstance(node, ast.AnnAssign) and _mutable(node.value) and _name(node.target):
+        elif isinstance(node, ast.AnnAssign) and _mutable(node.value, classes) \
+                and _name(node.target):
             out.append((node.lineno, _name(node.target)))
     return [(line, name) for line, name in out if not name.startswith("__")]
 
