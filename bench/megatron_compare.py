@@ -275,12 +275,16 @@ def _variants(case: Case, mods: dict, rank: int, x: torch.Tensor, g: torch.Tenso
         fns["Megatron"] = megatron
         cleanup.append(comm)
         if case.src == case.dst:  # nothing moves: the floor is a plain autograd.Function
-            def passthrough():
-                y = _Passthrough.apply(leaf)
-                y.backward(g)
-                return y, grad_of(leaf)
+            least = torch.compile(lambda t: _Passthrough.apply(t), backend=compile_backend,
+                                  fullgraph=True)
+            for name, fn in (("passthrough", _Passthrough.apply),
+                             ("compiled passthrough", least)):
+                def passthrough(fn=fn):
+                    y = fn(leaf)
+                    y.backward(g)
+                    return y, grad_of(leaf)
 
-            fns["passthrough"] = passthrough
+                fns[name] = passthrough
 
     for variant in ("Redistributor", "compiled"):
         red = Redistributor(src, dst, sizes, name=f"bench {case.name} {variant}")
@@ -365,7 +369,7 @@ def _size(nbytes: int) -> str:
 
 
 def report(rows: list[dict], sizes: tuple[int, ...]) -> str:
-    table, floor = [], []
+    table, floor, compiled = [], [], []
     it = iter(rows)
     for case in CASES:
         src, dst = case.grids()
@@ -382,10 +386,14 @@ def report(rows: list[dict], sizes: tuple[int, ...]) -> str:
                           collectives(p), f"{ms['Megatron']:.2f}", *ratios, check])
             if "passthrough" in r:
                 floor.append(f"{_size(nbytes)} {r['Redistributor'] / r['passthrough']:.2f}")
+                compiled.append(f"{_size(nbytes)} {r['compiled'] / r['compiled passthrough']:.2f}"
+                                f" ({r['compiled passthrough'] * 1e3:.2f} ms)")
     note = ("" if not floor else
             "\nWhere nothing moves, the eager Redistributor's forward + backward over a plain "
             "autograd.Function passthrough's (a view forward, the gradient back; same "
-            "interleaved loop; target <= 1.5): " + ", ".join(floor) + ".")
+            "interleaved loop; target <= 1.5): " + ", ".join(floor) + ". The compiled "
+            "call's over the same passthrough compiled alike (torch.compile's own cost per "
+            "call): " + ", ".join(compiled) + ".")
     return tabulate(table, disable_numparse=True,
                     colalign=("left", "left", "right", "left", "right", "right", "right",
                               "right", "left"),
