@@ -53,6 +53,7 @@ from typing import Any, ClassVar
 import torch
 
 from .collective import Collective
+from .costs import Costs
 from .errors import MimoFxError
 from .exchange import Geometry, ReduceCosts, Transfer, want_holders
 from .layout import Layout
@@ -371,7 +372,7 @@ def _check_steps(steps: tuple[Step, ...]) -> None:
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
+class Plan(Costs):
     """A schedule of steps plus the tilings that define what every rank holds and needs.
 
     Compared and hashed by identity: plans are cached, and equal inputs return the same
@@ -430,22 +431,6 @@ class Plan:
                         missing -= box_volume(inter)
             out[rank] = missing * self.itemsize
         return out
-
-    @property
-    def max_recv(self) -> int:
-        return max(self.bytes_recv.values(), default=0)
-
-    @property
-    def max_sent(self) -> int:
-        return max(self.bytes_sent.values(), default=0)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes_sent.values())
-
-    @property
-    def max_lower_bound(self) -> int:
-        return max(self.lower_bound.values(), default=0)
 
     @cached_property
     def reduction_bound(self) -> dict[int, int]:

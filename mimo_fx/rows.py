@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from .costs import Costs
 from .errors import MimoFxError
 
 __all__ = ["RankRoute", "RowPlan", "plan_rows", "layout_rows", "seed_bytes", "ROUTE_INDEX",
@@ -100,7 +101,7 @@ def route_tensors(route: RankRoute, device=None) -> tuple[tuple[torch.Tensor, ..
 
 
 @dataclass(frozen=True, eq=False)
-class RowPlan:
+class RowPlan(Costs):
     """Who sends which rows to whom, both directions (see the module docstring).
 
     ``src_rows``/``dst_rows``: per rank of :attr:`ranks`, the global row of each local
@@ -239,23 +240,6 @@ class RowPlan:
     def bytes_recv(self) -> dict[int, int]:
         """Forward bytes each rank receives (ranks that receive nothing are absent)."""
         return {r: n * self.row_bytes for r, n in self.received().items() if n}
-
-    @property
-    def max_recv(self) -> int:
-        return max(self.bytes_recv.values(), default=0)
-
-    @property
-    def max_lower_bound(self) -> int:
-        return max(self.lower_bound.values(), default=0)
-
-    @property
-    def max_sent(self) -> int:
-        return max(self.bytes_sent.values(), default=0)
-
-    @property
-    def total_bytes(self) -> int:
-        """Forward bytes summed over every rank."""
-        return sum(self.bytes_sent.values())
 
     def __str__(self) -> str:
         pairs = [f"{src} -> {dst}: rows {list(self.sends[i][j])}"
