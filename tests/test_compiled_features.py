@@ -356,7 +356,8 @@ def _inductor_and_leaks(rank: int, world: int) -> dict:
     src = Layout(Grid(dp=2), "(dp b) h")
     dst = Layout(Grid(tp=2), "b (tp h)")
     # a group leaked per build shows as LEAK_CYCLES of them (test_lifecycle.py counts groups,
-    # descriptors and threads over 200 cycles on 4 ranks); each cycle costs ~60 ms here
+    # descriptors and threads over 200 cycles on 4 ranks); a cycle costs ~7 ms here (its
+    # groups are freed on the reaper thread, see compiled/groups.py)
     for _ in range(LEAK_CYCLES):
         bridge = Redistributor(src, dst, SIZES)
         bridge.destroy()
