@@ -549,8 +549,9 @@ def test_the_balanced_variants_loaders_are_skewed_and_placed_evenly():
 def balanced_job(worlds):
     from mimo_fx.jobs.e2e import Run, train_worker
 
+    # record: the suite's one 8-rank world (tests/README.md, "Spawned worlds")
     return worlds.run(8, train_worker, [Run("balanced", steps=3, backend="inductor")],
-                      timeout=1200)[0][0]
+                      timeout=1200, record=True)[0][0]
 
 
 @pytest.mark.slow  # 8 processes compiling with inductor

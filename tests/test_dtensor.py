@@ -583,7 +583,8 @@ def _example():
 
 @pytest.fixture(scope="module")
 def world_results(worlds):
-    return worlds.run(WORLD, _world, list(SCENARIOS))
+    # record: the suite's one 8-rank world (tests/README.md, "Spawned worlds")
+    return worlds.run(WORLD, _world, list(SCENARIOS), record=True)
 
 
 @pytest.mark.slow

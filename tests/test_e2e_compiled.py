@@ -34,7 +34,9 @@ RUNS = [Run("colocated", steps=2), Run("pipelined", steps=2), Run("variable", st
 
 @pytest.fixture(scope="module")
 def results(worlds):
-    return {r["variant"]: r for r in worlds.run(8, train_worker, RUNS, timeout=900)[0]}
+    # record: the suite's one 8-rank world (tests/README.md, "Spawned worlds")
+    runs = worlds.run(8, train_worker, RUNS, timeout=900, record=True)
+    return {r["variant"]: r for r in runs[0]}
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.variant for r in RUNS])

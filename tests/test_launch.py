@@ -165,5 +165,14 @@ def test_worlds_keep_one_world_per_key_within_a_process_budget():
         assert not plain.alive and worlds.spawns == 3
     finally:
         worlds.close()
+    worlds = Worlds(max_processes=3)
+    try:  # room is made from the smallest worlds first, whatever their age
+        assert worlds.run(2, _sum_of_ranks, 1) == [1, 1]
+        assert worlds.run(1, _sum_of_ranks, 2) == [0]
+        pair, single = worlds.world(2), worlds.world(1)
+        assert worlds.run(1, _sum_of_ranks, 3, env={"OTHER": "1"}) == [0]
+        assert pair.alive and not single.alive and worlds.spawns == 3
+    finally:
+        worlds.close()
     with pytest.raises(MimoFxError, match="world=0: need at least one process"):
         World(0)

@@ -509,7 +509,9 @@ class Worlds:
 
     ``env`` here is set in every world's processes, under what each call adds. At most
     ``max_processes`` processes stay alive (``MIMO_FX_WORLD_PROCESSES``, 16 by default):
-    spawning a world past it closes the least recently used others first.
+    spawning a world past it closes others first, the smallest first (a world costs
+    about its size to spawn again: every process imports torch and warms up its first
+    compile), and of equal sizes the least recently used.
     """
 
     def __init__(self, max_processes: int | None = None,
@@ -543,6 +545,7 @@ class Worlds:
 
     def _make_room(self, new: World) -> None:
         live = [w for w in self._worlds.values() if w.alive and w is not new]  # oldest first
+        live.sort(key=lambda w: w.size)  # (stable: oldest first within a size)
         excess = sum(w.size for w in live) + new.size - self.max_processes
         evict = []
         for world in live:
