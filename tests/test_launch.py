@@ -153,25 +153,22 @@ def test_a_function_that_ends_its_world_retires_it(world):
 
 
 def test_worlds_keep_one_world_per_key_within_a_process_budget():
-    worlds = Worlds(max_processes=2, env={"GIVEN": "everywhere"})
+    worlds = Worlds(max_processes=3, env={"GIVEN": "everywhere"})
     try:
         assert worlds.run(1, _state)[0]["env"]["GIVEN"] == "everywhere"
         assert worlds.run(1, _sum_of_ranks, 5) == [0]
         plain = worlds.world(1)
         assert worlds.spawns == 1 and plain.alive
         assert worlds.run(1, _state, env={"GIVEN": "other"})[0]["env"]["GIVEN"] == "other"
+        other = worlds.world(1, env={"GIVEN": "other"})
         assert plain.alive  # two processes fit
-        assert worlds.run(2, _sum_of_ranks, 1) == [1, 1]  # the two older worlds make room
-        assert not plain.alive and worlds.spawns == 3
-    finally:
-        worlds.close()
-    worlds = Worlds(max_processes=3)
-    try:  # room is made from the smallest worlds first, whatever their age
-        assert worlds.run(2, _sum_of_ranks, 1) == [1, 1]
-        assert worlds.run(1, _sum_of_ranks, 2) == [0]
-        pair, single = worlds.world(2), worlds.world(1)
-        assert worlds.run(1, _sum_of_ranks, 3, env={"OTHER": "1"}) == [0]
-        assert pair.alive and not single.alive and worlds.spawns == 3
+        assert worlds.run(2, _sum_of_ranks, 1) == [1, 1]  # one of the two older makes room
+        pair = worlds.world(2)
+        assert not plain.alive and other.alive and worlds.spawns == 3
+        assert worlds.run(1, _sum_of_ranks, 2, env={"GIVEN": "other"}) == [0]  # (now newer)
+        # room is made from the smallest worlds first, not the least recently used
+        assert worlds.run(1, _sum_of_ranks, 3, env={"GIVEN": "third"}) == [0]
+        assert pair.alive and not other.alive and worlds.spawns == 4
     finally:
         worlds.close()
     with pytest.raises(MimoFxError, match="world=0: need at least one process"):
