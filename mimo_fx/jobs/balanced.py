@@ -53,7 +53,7 @@ from .packed import (
     init_params,
     reference_loss,
 )
-from .report import allreduce, step_row
+from .report import reference_step, result, sgd, step_row, summed_grads, warm_up
 
 __all__ = ["LAYOUT", "LOADERS", "PROFILES", "SKEW", "BalancedConfig", "loader_batch",
            "global_batch", "step_numbers", "train_balanced"]
@@ -219,11 +219,6 @@ def step_numbers(cfg: BalancedConfig, step: Placement) -> dict:
     return out
 
 
-def _grad(leaf: torch.Tensor) -> torch.Tensor:
-    assert leaf.grad is not None  # every parameter takes part in the loss
-    return leaf.grad
-
-
 def loss_fn(cfg: BalancedConfig, p: dict, patches, text_ids, targets, img_pos, text_pos,
             tok_pos, mask, count, patch_src, patch_dst, emb_src, emb_dst, text_src,
             text_dst, tok_src, tok_dst, packed, keys, totals):
@@ -261,9 +256,8 @@ def train_balanced(rank: int, steps: int, backend: str, lr: float, say=None) -> 
     Long because it reads as the training script a user writes: the bridges and the
     compiled step, the warm-up, then the loop checked against the undistributed model."""
     import torch.distributed as dist
-    from torch._dynamo.utils import counters
 
-    from mimo_fx.compiled import destroy, prepare
+    from mimo_fx.compiled import prepare
     say = say or (lambda *a, **k: None)
     cfg = BalancedConfig()
     world = dist.get_world_size()
@@ -291,37 +285,20 @@ def train_balanced(rank: int, steps: int, backend: str, lr: float, say=None) -> 
         totals = torch.tensor([p.total for p in r.inputs["packed"].packings])
         loss = step_fn(mine, **r.inputs, count=count, totals=totals)
         loss.backward()
-        flat = torch.cat([_grad(v).flatten() for v in mine.values()])
-        dist.all_reduce(flat)  # every parameter is replicated on every rank: sum
-        grads, at = {}, 0
-        for n, v in mine.items():
-            grads[n] = flat[at:at + v.numel()].view_as(v)
-            at += v.numel()
-        return step, r, loss, grads, flat.numel()
+        grads, numel = summed_grads(mine)  # every parameter is replicated on every rank
+        return step, r, loss, grads, numel
 
-    torch._dynamo.reset()
-    counters.clear()
-    say(f"[balanced] compiling the step with {backend}", flush=True)
-    dist.barrier()
-    start = time.perf_counter()
-    run_step(0)  # warm-up: compiles (Dynamo's one graph for every batch)
-    compile_s = time.perf_counter() - start
-    say(f"[balanced] compiled in {compile_s:.1f} s", flush=True)
+    compile_s = warm_up("balanced", backend, run_step, say)
     rows = []
     for step in range(1, steps + 1):
         dist.barrier()
         before = counts["gathers"]
         start = time.perf_counter()
         placed, r, loss, grads, numel = run_step(step)
-        with torch.no_grad():
-            for n, v in mine.items():
-                v -= lr * grads[n]
+        sgd(mine, grads, lr)
         elapsed = time.perf_counter() - start
-        leaves = {n: v.clone().requires_grad_() for n, v in full.items()}
-        ref = reference_loss(leaves, global_batch(cfg, step))
-        ref.backward()
-        grad_diff = max(float((grads[n] - _grad(leaves[n])).abs().max()) for n in full)
-        full = {n: (v - lr * _grad(leaves[n])).detach() for n, v in full.items()}
+        ref, grad_diff, full = reference_step(full, reference_loss, global_batch(cfg, step),
+                                              grads, lr)
         sync = 2 * (world - 1) * numel * 4 // world  # ring all-reduce of the gradients
         gather = (world - 1) * cfg.width * 8  # the sample exchange (a ring all-gather)
         rows.append(step_row(step, float(loss.detach()), float(ref.detach()), grad_diff,
@@ -330,10 +307,4 @@ def train_balanced(rank: int, steps: int, backend: str, lr: float, say=None) -> 
                         **step_numbers(cfg, placed))
         say(f"[balanced] step {step}/{steps}: loss {rows[-1]['loss']:.6f} (undistributed "
             f"{rows[-1]['ref_loss']:.6f}), {rows[-1]['seconds'] * 1e3:.1f} ms", flush=True)
-    param_diff = max(float((mine[n].detach() - full[n]).abs().max()) for n in full)
-    param_diff, compile_s, graphs = allreduce(
-        [param_diff, compile_s, counters["stats"]["unique_graphs"]], dist.ReduceOp.MAX)
-    destroy()
-    torch._dynamo.reset()
-    return {"variant": "balanced", "backend": backend, "rows": rows,
-            "param_diff": param_diff, "compile_s": compile_s, "graphs": int(graphs)}
+    return result("balanced", backend, rows, mine, full, compile_s)

@@ -43,7 +43,7 @@ from mimo_fx.mimo.config import ModuleParallelism as M
 from mimo_fx.packed import PackedLayout, Packing
 from mimo_fx.rows import plan_layouts, seed_bytes
 
-from .report import allreduce, step_row
+from .report import reference_step, result, sgd, step_row, summed_grads, warm_up
 
 __all__ = ["LAYOUT", "PackedConfig", "attention_mask", "packed_batch", "train_packed"]
 
@@ -250,20 +250,14 @@ def attention_mask(packing: Packing, c: int) -> torch.Tensor:
         | (seg[:, None] < 0)
 
 
-def _grad(leaf: torch.Tensor) -> torch.Tensor:
-    assert leaf.grad is not None  # every parameter takes part in the loss
-    return leaf.grad
-
-
 def train_packed(rank: int, steps: int, backend: str, lr: float, say=None) -> dict:
     """Train the packed variant on this rank (all 8 ranks call it); the e2e result dict.
 
     Long because it reads as the training script a user writes: the bridges and the
     compiled step, the warm-up, then the loop checked against the undistributed model."""
     import torch.distributed as dist
-    from torch._dynamo.utils import counters
 
-    from mimo_fx.compiled import destroy, prepare
+    from mimo_fx.compiled import prepare
 
     say = say or (lambda *a, **k: None)
     cfg = PackedConfig()
@@ -296,36 +290,18 @@ def train_packed(rank: int, steps: int, backend: str, lr: float, say=None) -> di
         loss = step_fn(mine, **r.inputs, images=step_images, tokens=step_tokens,
                        count=torch.tensor(float(r.count)))
         loss.backward()
-        flat = torch.cat([_grad(v).flatten() for v in mine.values()])
-        dist.all_reduce(flat)  # every parameter is replicated on every rank: sum
-        grads, at = {}, 0
-        for n, v in mine.items():
-            grads[n] = flat[at:at + v.numel()].view_as(v)
-            at += v.numel()
-        return batch, r, loss, grads, flat.numel()
+        grads, numel = summed_grads(mine)  # every parameter is replicated on every rank
+        return batch, r, loss, grads, numel
 
-    torch._dynamo.reset()
-    counters.clear()
-    say(f"[packed] compiling the step with {backend}", flush=True)
-    dist.barrier()
-    start = time.perf_counter()
-    run_step(0)  # warm-up: compiles (Dynamo's one graph for every batch)
-    compile_s = time.perf_counter() - start
-    say(f"[packed] compiled in {compile_s:.1f} s", flush=True)
+    compile_s = warm_up("packed", backend, run_step, say)
     rows = []
     for step in range(1, steps + 1):
         dist.barrier()
         start = time.perf_counter()
         batch, r, loss, grads, numel = run_step(step)
-        with torch.no_grad():
-            for n, v in mine.items():
-                v -= lr * grads[n]
+        sgd(mine, grads, lr)
         elapsed = time.perf_counter() - start
-        leaves = {n: v.clone().requires_grad_() for n, v in full.items()}
-        ref = reference_loss(leaves, batch)
-        ref.backward()
-        grad_diff = max(float((grads[n] - _grad(leaves[n])).abs().max()) for n in full)
-        full = {n: (v - lr * _grad(leaves[n])).detach() for n, v in full.items()}
+        ref, grad_diff, full = reference_step(full, reference_loss, batch, grads, lr)
         sync = 2 * (world - 1) * numel * 4 // world  # ring all-reduce of the gradients
         rows.append(step_row(step, float(loss.detach()), float(ref.detach()), grad_diff,
                              r.sent + sync, elapsed))
@@ -333,10 +309,4 @@ def train_packed(rank: int, steps: int, backend: str, lr: float, say=None) -> di
             r.seed_image_bytes
         say(f"[packed] step {step}/{steps}: loss {rows[-1]['loss']:.6f} (undistributed "
             f"{rows[-1]['ref_loss']:.6f}), {rows[-1]['seconds'] * 1e3:.1f} ms", flush=True)
-    param_diff = max(float((mine[n].detach() - full[n]).abs().max()) for n in full)
-    param_diff, compile_s, graphs = allreduce(
-        [param_diff, compile_s, counters["stats"]["unique_graphs"]], dist.ReduceOp.MAX)
-    destroy()
-    torch._dynamo.reset()
-    return {"variant": "packed", "backend": backend, "rows": rows, "param_diff": param_diff,
-            "compile_s": compile_s, "graphs": int(graphs)}
+    return result("packed", backend, rows, mine, full, compile_s)

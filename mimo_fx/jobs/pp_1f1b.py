@@ -112,7 +112,7 @@ def train_pipelined(rank: int, steps: int = 3, backend: str = "aot_eager", lr: f
     from mimo_fx.mimo.sync import GradSync
     from mimo_fx.reference import shard
 
-    from .report import step_row
+    from .report import reference_step, step_row
 
     say = say or (lambda *a, **k: None)
     enc, llm1, llm2 = GRIDS["enc"], GRIDS["llm1"], GRIDS["llm2"]
@@ -172,12 +172,9 @@ def train_pipelined(rank: int, steps: int = 3, backend: str = "aot_eager", lr: f
                 p -= lr * p.grad
         stage.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
-        leaves = {n: v.clone().requires_grad_() for n, v in full.items()}
-        ref = reference_loss(leaves, *step_data(cfg, step))
-        ref.backward()
-        diff = max(float((g - shard(_grad(leaves[n]), layouts[n])[rank]).abs().max())
-                   for n, g in grads.items())
-        full = {n: (v - lr * _grad(leaves[n])).detach() for n, v in full.items()}
+        ref, diff, full = reference_step(
+            full, lambda leaves, data: reference_loss(leaves, *data), step_data(cfg, step),
+            grads, lr, lambda n, g: shard(g, layouts[n])[rank])
         rows.append(step_row(step, loss.item() if last else 0.0, ref.item(), diff,
                          step_bytes, elapsed))
         say(f"[pp_1f1b] step {step}/{steps}: loss {rows[-1]['loss']:.6f} "
@@ -277,10 +274,5 @@ def _step_bytes(rank: int, acts: dict, partial: Layout, sizes: dict, sync, micro
     sync_bytes = sum(2 * (len(bk.ranks) - 1) * bk.numel * bk.dtype.itemsize // len(bk.ranks)
                      for bk in sync.buckets if rank in bk.ranks)
     return micro * per_micro.get(rank, 0) + sync_bytes
-
-
-def _grad(leaf: torch.Tensor) -> torch.Tensor:
-    assert leaf.grad is not None  # every parameter takes part in the loss
-    return leaf.grad
 
 
