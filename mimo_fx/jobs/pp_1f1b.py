@@ -274,5 +274,3 @@ def _step_bytes(rank: int, acts: dict, partial: Layout, sizes: dict, sync, micro
     sync_bytes = sum(2 * (len(bk.ranks) - 1) * bk.numel * bk.dtype.itemsize // len(bk.ranks)
                      for bk in sync.buckets if rank in bk.ranks)
     return micro * per_micro.get(rank, 0) + sync_bytes
-
-
