@@ -167,21 +167,18 @@ class CompiledExecutor:
         self.moved = [0, 0]
 
     def _sites(self, program: Program, direction: str) -> list[str]:
-        """The names of ``program``'s collectives for :mod:`.timeouts` (built once per
-        program eagerly; a trace builds them as constants)."""
+        """The names of ``program``'s collectives for :mod:`.timeouts` (an eager run's:
+        built once per program)."""
         if not self.name:
             return [""] * len(program.ops)
-        if torch.compiler.is_compiling():
-            return [timeouts.site(self.name, direction, i, op.ranks)
-                    for i, op in enumerate(program.ops)]
         key = (id(program), direction)
         sites = self._named.get(key)
         if sites is None or sites[0] is not program:
             if len(self._named) >= 64:  # (programs made per call are not kept forever)
                 self._named.clear()
-            sites = self._named[key] = (program, [timeouts.site(self.name, direction, i,
-                                                                op.ranks)
-                                                  for i, op in enumerate(program.ops)])
+            sites = self._named[key] = (program, [
+                timeouts.at(self.name, direction, i, op.ranks_text)
+                for i, op in enumerate(program.ops)])
         return sites[1]
 
     def run(self, program: Program, tensors: tuple[torch.Tensor, ...], env: dict | None = None,
@@ -189,7 +186,27 @@ class CompiledExecutor:
             ) -> tuple[torch.Tensor, ...]:
         """``program`` on ``(local,)``; a template program's numbers at ``env``; a row
         program's index vectors are ``inputs``; ``direction`` picks the comm."""
+        if torch.compiler.is_compiling():
+            return self._traced(program, tensors, env, inputs, direction)
         return self.start(program, tensors, env, inputs, direction=direction).finish()
+
+    def _traced(self, program: Program, tensors: tuple[torch.Tensor, ...], env: dict | None,
+                inputs: tuple[torch.Tensor, ...], direction: str) -> tuple[torch.Tensor, ...]:
+        """:meth:`run` under ``torch.compile``: the same steps as :meth:`start` and
+        :meth:`Started.finish`, as one straight line (the compiler places each wait; no
+        run objects for Dynamo to trace)."""
+        (local,) = tensors
+        num = PLAIN if env is None else Numbers(env)
+        if self.check is not None and direction == "backward" \
+                and not self.check(local, program, num):
+            return (local.new_zeros((0,) * program.out_ndim),)  # (raises when it runs)
+        entries = [_canonical(local, program, num)]
+        comm, wire = self.comms[direction], self.comm_dtype
+        for i, op in enumerate(program.ops):
+            site = timeouts.at(self.name, direction, i, op.ranks_text) if self.name else ""
+            flat = issue(comm, op, _pack(entries, op, wire, num, inputs), num, site)
+            entries += _unpacked(flat if wire is None else flat.to(local.dtype), op, num)
+        return (_output(entries, program, num, inputs, local),)
 
     def start(self, program: Program, tensors: tuple[torch.Tensor, ...],
               env: dict | None = None, inputs: tuple[torch.Tensor, ...] = (), *,
@@ -202,15 +219,37 @@ class CompiledExecutor:
         if self.check is not None and direction == "backward" \
                 and not self.check(local, program, num):
             return Started.done(local.new_zeros((0,) * program.out_ndim))  # (raises later)
-        canon = local
-        if program.src_expand is not None:
-            canon = canon.reshape(num.all(program.src_expand))
-        if program.src_perm is not None:
-            canon = canon.permute(program.src_perm)
-        run = Started(self, program, local, [canon], num, inputs, direction)
+        run = Started(self, program, local, [_canonical(local, program, num)], num, inputs,
+                      direction)
         if program.ops:
             run.post(0)
         return run
+
+
+def _canonical(local: torch.Tensor, program: Program, num: Numbers) -> torch.Tensor:
+    """The src piece viewed with one axis per dim, in canonical order."""
+    if program.src_expand is not None:
+        local = local.reshape(num.all(program.src_expand))
+    if program.src_perm is not None:
+        local = local.permute(program.src_perm)
+    return local
+
+
+def _output(entries: list, program: Program, num: Numbers, inputs: tuple,
+            local: torch.Tensor) -> torch.Tensor:
+    """The dst piece from a program's entries (an empty tensor where it holds none)."""
+    if program.out is None:
+        return local.new_empty((0,) * program.out_ndim)
+    out = _build(entries, program.out, num, inputs)
+    if program.out_clone and torch.compiler.is_compiling():
+        # (eagerly a view of the input is returned as it is: a custom Function may
+        # return one; a traced graph's output must not alias its input)
+        out = out.clone()
+    if program.out_perm is not None:
+        out = out.permute(program.out_perm)
+    if program.out_local is not None:
+        out = out.reshape(num.all(program.out_local))
+    return out.contiguous()
 
 
 class Started:
@@ -264,17 +303,5 @@ class Started:
             for j in range(i + 1, len(program.ops)):
                 self.post(j)
                 self._take()
-        if program.out is None:
-            self.result = (local.new_empty((0,) * program.out_ndim),)
-            return self.result
-        out = _build(entries, program.out, num, self.inputs)
-        if program.out_clone and torch.compiler.is_compiling():
-            # (eagerly a view of the input is returned as it is: a custom Function may
-            # return one; a traced graph's output must not alias its input)
-            out = out.clone()
-        if program.out_perm is not None:
-            out = out.permute(program.out_perm)
-        if program.out_local is not None:
-            out = out.reshape(num.all(program.out_local))
-        self.result = (out.contiguous(),)
+        self.result = (_output(entries, program, num, self.inputs, local),)
         return self.result

@@ -26,7 +26,7 @@ materialised.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import reduce
 from itertools import product
 from math import prod
@@ -121,6 +121,11 @@ class Op:
     numel: int
     in_splits: tuple[int, ...] = ()
     out_splits: tuple[int, ...] = ()
+    # the ranks as text, for the op's site (see timeouts.site)
+    ranks_text: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks_text", ",".join(map(str, self.ranks)))
 
 
 @dataclass(frozen=True)
@@ -582,6 +587,22 @@ def _walker(obj: Any):
             return _CONST
         return lambda env: replace(obj, **{n: w(env) for n, w in fields})
     return _CONST
+
+
+def prime(obj: Any) -> None:
+    """Compile every polynomial in ``obj`` (a template program) to one Python
+    expression (:meth:`~mimo_fx.symbolic.Expr.prime`), before anything traces it."""
+    if isinstance(obj, Expr):
+        obj.prime()
+    elif isinstance(obj, slice):
+        prime(obj.start)
+        prime(obj.stop)
+    elif isinstance(obj, tuple):
+        for part in obj:
+            prime(part)
+    elif isinstance(obj, View | Cat | Scatter | Take | AddAt | Op | Program):
+        for name in obj.__dataclass_fields__:
+            prime(getattr(obj, name))
 
 
 def _tuple_walker(base: list, parts: list) -> Callable[[Any], tuple]:

@@ -222,6 +222,7 @@ class Sizing(CallSizes):
         elif t is not None:
             self.fwd_program = lowering.lower(t.fwd, self.rank, t.fwd_sym)
             self.bwd_program = lowering.lower(t.bwd, self.rank, t.bwd_sym)
+            lowering.prime((self.fwd_program, self.bwd_program))
             # a new size evaluates only this rank's polynomials
             self._at = (lowering.evaluator(self.fwd_program),
                         lowering.evaluator(self.bwd_program))

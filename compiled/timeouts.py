@@ -91,7 +91,13 @@ def _bridge(site_: str):
 def site(name: str, direction: str, index: int, ranks: tuple[int, ...]) -> str:
     """The site of op ``index`` of bridge ``name``'s ``direction`` program, over
     ``ranks`` (a string: a constant under ``torch.compile``)."""
-    return f"{name}|{direction}|{index}|{','.join(map(str, ranks))}"
+    return at(name, direction, index, ",".join(map(str, ranks)))
+
+
+def at(name: str, direction: str, index: int, ranks_text: str) -> str:
+    """:func:`site`, its ranks given as text (an op's ``ranks_text``: what a traced
+    call formats, with no join for Dynamo to trace)."""
+    return f"{name}|{direction}|{index}|{ranks_text}"
 
 
 def ran(site_: str) -> None:

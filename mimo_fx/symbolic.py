@@ -51,12 +51,13 @@ class Expr:
     """A polynomial with integer coefficients over size variables, and its value at the
     template (``hint``). Constants are plain ints: an Expr always has a variable."""
 
-    __slots__ = ("terms", "hint", "_hash")
+    __slots__ = ("terms", "hint", "_hash", "_at")
 
     def __init__(self, terms: dict, hint: int) -> None:
         self.terms: tuple = tuple(sorted(terms.items()))
         self.hint = hint
         self._hash = hash(self.terms)
+        self._at: Any = None  # its value as one Python expression (see prime)
 
     @staticmethod
     def var(var: Var, hint: int) -> Expr:
@@ -149,6 +150,8 @@ class Expr:
     # -- values --------------------------------------------------------------------------
     def eval(self, env: Mapping) -> Any:
         """The value at ``env`` (``{variable: int or SymInt}``)."""
+        if self._at is not None:
+            return self._at(env)
         total: Any = 0
         for mono, coef in self.terms:
             term: Any = coef
@@ -170,6 +173,16 @@ class Expr:
             else:
                 parts.append(f"{coef}*{names}")
         return " + ".join(parts).replace("+ -", "- ")
+
+
+    def prime(self) -> None:
+        """Make :meth:`eval` one compiled Python expression (the same products and sums,
+        in the same order): what a traced call evaluates, where Dynamo would otherwise
+        trace the loop over the terms at every number of a program."""
+        if self._at is None:
+            terms = " + ".join("*".join([repr(coef), *(f"env[{var!r}]" for var in mono)])
+                               for mono, coef in self.terms)
+            self._at = eval(f"lambda env: {terms}")  # (variables are tuples of str, int)
 
 
 def _var_name(var: Var) -> str:
