@@ -35,12 +35,18 @@ class Numbers:
         return x.eval(self.env) if self.env is not None and isinstance(x, Expr) else x
 
     def all(self, xs: tuple) -> Any:
-        return xs if self.env is None else tuple(self(x) for x in xs)
+        env = self.env
+        if env is None:
+            return xs
+        return tuple([x.eval(env) if isinstance(x, Expr) else x for x in xs])
 
     def index(self, index: tuple[slice, ...]) -> tuple[slice, ...]:
-        if self.env is None:
+        env = self.env
+        if env is None:
             return index
-        return tuple(slice(self(s.start), self(s.stop)) for s in index)
+        return tuple([slice(s.start.eval(env) if isinstance(s.start, Expr) else s.start,
+                            s.stop.eval(env) if isinstance(s.stop, Expr) else s.stop)
+                      for s in index])
 
 
 PLAIN = Numbers()

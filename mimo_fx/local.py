@@ -131,6 +131,14 @@ def infer_sizes(
     return sizes
 
 
+@torch.compiler.assume_constant_result
+def _shard(grid, axes: tuple[str, ...], rank: int) -> tuple[int, ...]:
+    """``rank``'s coordinate on ``axes``: plain Python on constants, which Dynamo calls
+    once while tracing instead of tracing the coordinate's arithmetic per rank."""
+    coord = grid.coord(rank)
+    return tuple(coord[a] for a in axes)
+
+
 def _infer_one(layout: Layout, gi: int, factor, shapes, sizes, check=_raise) -> Size:
     """The global size of ``factor`` (the one unknown dim of local dim ``gi``); a ragged
     dim's counts, one per shard in flat shard order."""
@@ -142,8 +150,7 @@ def _infer_one(layout: Layout, gi: int, factor, shapes, sizes, check=_raise) -> 
                 others *= _local_extent(layout, f, sizes[f.dim], rank)
         if isinstance(others, int) and others == 0:
             continue
-        coord = layout.grid.coord(rank)
-        key = tuple([coord[a] for a in factor.axes])
+        key = _shard(layout.grid, tuple(factor.axes), rank)
         extent = shape[gi] // others
         check(extent * others == shape[gi], lambda r=rank, n=shape[gi], o=others: (
               f"rank {r}: local dim {gi} of {layout.pattern!r} has {n} elements, "
