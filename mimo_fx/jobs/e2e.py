@@ -52,7 +52,7 @@ from mimo_fx.mimo.config import ModuleParallelism as M
 from mimo_fx.mimo.grads import ModuleGrads
 from mimo_fx.plan import format_bytes
 
-from .report import allreduce, step_row
+from .report import result, step_row
 from .toy import ToyConfig, ToyMimo
 
 __all__ = ["VARIANTS", "train_worker", "main"]
@@ -229,17 +229,9 @@ def _train(rank: int, run: Run) -> dict:
         say(f"[{run.variant}] step {step}/{run.steps}: loss {rows[-1]['loss']:.6f} "
             f"(undistributed {rows[-1]['ref_loss']:.6f}), "
             f"{rows[-1]['seconds'] * 1e3:.1f} ms", flush=True)
-    param_diff = max(float((mine[n] - shard(full[n], layouts[n])[rank]).abs().max())
-                     for n in mine)
-    from torch._dynamo.utils import counters
-
-    # (counted since the warm-up cleared the counters)
-    param_diff, compile_s, graphs = allreduce(
-        [param_diff, compile_s, counters["stats"]["unique_graphs"]], dist.ReduceOp.MAX)
-    world.destroy()
-    torch._dynamo.reset()
-    return {"variant": run.variant, "backend": run.backend, "rows": rows,
-            "param_diff": param_diff, "compile_s": compile_s, "graphs": int(graphs)}
+    # (graphs counted since the warm-up cleared the counters)
+    return result(run.variant, run.backend, rows, mine, full, compile_s,
+                  piece=lambda n, t: shard(t, layouts[n])[rank])
 
 
 def _warm_up(run: Run, grad_step, run_step, say):

@@ -3,6 +3,8 @@ gradients of parameters every rank holds whole, and the undistributed model's st
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = ["allreduce", "step_row", "grad_of", "summed_grads", "sgd", "reference_step",
@@ -92,16 +94,20 @@ def warm_up(tag: str, backend: str, run_step, say) -> float:
 
 
 def result(variant: str, backend: str, rows: list[dict], mine: dict[str, torch.Tensor],
-           full: dict[str, torch.Tensor], compile_s: float) -> dict:
+           full: dict[str, torch.Tensor], compile_s: float,
+           piece: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> dict:
     """A job's result dict, over all ranks: its rows, the largest difference of its
-    parameters (``mine``, whole on every rank) from the undistributed model's (``full``),
-    the compile seconds and graphs (worst rank); its bridges destroyed."""
+    parameters (``mine``) from the undistributed model's (``full``), the compile seconds
+    and graphs (worst rank); its bridges destroyed. ``piece(name, tensor)``: this
+    rank's piece of a whole parameter, where ``mine`` holds pieces (default: whole)."""
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
     from mimo_fx.compiled import destroy
 
-    param_diff = max(float((mine[n].detach() - full[n]).abs().max()) for n in full)
+    take = piece or (lambda name, t: t)
+    param_diff = max((float((mine[n].detach() - take(n, full[n])).abs().max())
+                      for n in mine), default=0.0)
     param_diff, compile_s, graphs = allreduce(
         [param_diff, compile_s, counters["stats"]["unique_graphs"]], dist.ReduceOp.MAX)
     destroy()
