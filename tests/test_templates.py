@@ -175,3 +175,26 @@ def test_polynomials_decide_only_what_holds_for_every_size():
         bool(u)
     assert (u - u) == 0 and isinstance(u - u, int)
     assert (2 * u * c0).eval({("u", "s"): 5, ("c", "t", 0): 7}) == 70
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(-5, 5), st.integers(0, 2), st.integers(0, 2)),
+                min_size=1, max_size=4),
+       st.integers(0, 9), st.integers(0, 9), st.integers(0, 9))
+def test_a_primed_polynomial_has_the_value_of_its_terms(terms, u, c0, c1):
+    """Expr.prime compiles a polynomial into one Python expression (what a traced call
+    evaluates): its value is the sum of coef * u**i * c0**j (* c1) written out here."""
+    vu, v0, v1 = Expr.var(("u", "s"), 4), Expr.var(("c", "t", 0), 2), Expr.var(("c", "t", 1), 3)
+    env = {("u", "s"): u, ("c", "t", 0): c0, ("c", "t", 1): c1}
+    poly, want = vu - vu, 0
+    for coef, i, j in terms:
+        term = coef * v1
+        for factor in [vu] * i + [v0] * j:
+            term = term * factor
+        poly = poly + term
+        want += coef * u ** i * c0 ** j * c1
+    if not isinstance(poly, Expr):
+        return  # (the terms cancelled: a plain int, nothing to prime)
+    before = poly.eval(env)
+    poly.prime()
+    assert poly.eval(env) == before == want
