@@ -82,6 +82,7 @@ class RowSizing(CallSizes):
         self._variables = lowering.row_variables(len(self.union), self.features)
         self.fwd_program, self.bwd_program = lowering.lower_rows(
             self.union, self.features, src.holds(rank), dst.holds(rank))
+        lowering.prime((self.fwd_program, self.bwd_program))  # (numbers a trace evaluates)
         self.print_ = 0
         self._plans: OrderedDict[tuple, Any] = OrderedDict()
         self._last = (src, dst)  # the batch of the last eager call
