@@ -187,6 +187,7 @@ def _shares_text(plan: Plan, step: Gather | Reduce) -> str:
                       for part in step.shares[0][:4])
 
 
+@dataclass(frozen=True)
 class Reduce(Step):
     """A step that sums partial values inside each group: ``regions[g]`` is the group's
     common region, ``shares[g][i]`` member ``i``'s share of it."""
@@ -197,6 +198,16 @@ class Reduce(Step):
 
     reduces = True
     factor: ClassVar[int]  # the bandwidth-optimal volume per member, in (k-1)/k regions
+    keeps_region: ClassVar[bool]  # each member keeps the whole region, or only its share
+
+    def deliveries(self) -> Iterator[Delivery]:
+        for ranks, region, parts in zip(self.groups, self.regions, self.shares):
+            for rank, part in zip(ranks, parts):
+                for b in (region if self.keeps_region else part):
+                    yield rank, b, ranks
+
+    def pairs(self) -> Iterator[tuple[int, int, int]]:
+        return _shared_pairs(self, True, self.keeps_region)
 
     @property
     def rank_groups(self) -> tuple[tuple[int, ...], ...]:
@@ -228,21 +239,9 @@ class ReduceScatter(Reduce):
     """Sum partial values inside each group: ``regions[g]`` is the group's common
     region, and member ``i`` of ``groups[g]`` keeps the sum over ``shares[g][i]``."""
 
-    groups: tuple[tuple[int, ...], ...]
-    regions: tuple[tuple[Box, ...], ...]
-    shares: tuple[tuple[tuple[Box, ...], ...], ...]
-
     kind = Collective.REDUCE_SCATTER
     factor = 1
-
-    def deliveries(self) -> Iterator[Delivery]:
-        for ranks, parts in zip(self.groups, self.shares):
-            for rank, part in zip(ranks, parts):
-                for b in part:
-                    yield rank, b, ranks
-
-    def pairs(self) -> Iterator[tuple[int, int, int]]:
-        return _shared_pairs(self, True, False)
+    keeps_region = False
 
 
 @dataclass(frozen=True)
@@ -251,21 +250,9 @@ class AllReduce(Reduce):
     region ``regions[g]``. It is a reduce-scatter of ``shares[g]`` fused with the
     all-gather of the same shares, and costs both."""
 
-    groups: tuple[tuple[int, ...], ...]
-    regions: tuple[tuple[Box, ...], ...]
-    shares: tuple[tuple[tuple[Box, ...], ...], ...]
-
     kind = Collective.ALL_REDUCE
     factor = 2
-
-    def deliveries(self) -> Iterator[Delivery]:
-        for ranks, region in zip(self.groups, self.regions):
-            for rank in ranks:
-                for b in region:
-                    yield rank, b, ranks
-
-    def pairs(self) -> Iterator[tuple[int, int, int]]:
-        return _shared_pairs(self, True, True)
+    keeps_region = True
 
 
 @dataclass(frozen=True)
@@ -372,12 +359,9 @@ def _check_steps(steps: tuple[Step, ...]) -> None:
 
 
 @dataclass(frozen=True, eq=False)
-class Plan(Costs):
-    """A schedule of steps plus the tilings that define what every rank holds and needs.
-
-    Compared and hashed by identity: plans are cached, and equal inputs return the same
-    object. :meth:`for_rank` is one rank's part of it.
-    """
+class _Schedule:
+    """What a plan and one rank's part of it both are: the layouts, the sizes, the steps
+    in issue order and the tilings of what every rank holds and needs."""
 
     src: Layout
     dst: Layout
@@ -391,6 +375,15 @@ class Plan(Costs):
 
     def __post_init__(self) -> None:
         _check_steps(self.steps)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan(_Schedule, Costs):
+    """A schedule of steps plus the tilings that define what every rank holds and needs.
+
+    Compared and hashed by identity: plans are cached, and equal inputs return the same
+    object. :meth:`for_rank` is one rank's part of it.
+    """
 
     # -- cost ----------------------------------------------------------------------------
     @cached_property
@@ -494,7 +487,7 @@ class Plan(Costs):
 
 
 @dataclass(frozen=True)
-class RankPlan:
+class RankPlan(_Schedule):
     """One rank's part of a plan: what ``rank`` needs to lower its program.
 
     The steps are the plan's, in its order, each keeping only what ``rank`` takes part
@@ -505,19 +498,7 @@ class RankPlan:
     the other ranks' transfers.
     """
 
-    src: Layout
-    dst: Layout
-    dims: tuple[str, ...]
-    sizes: tuple[tuple[str, Size], ...]  # ragged dims: their counts
-    itemsize: int
-    steps: tuple[Step, ...]
-    hold: Tiling = field(repr=False)
-    need: Tiling = field(repr=False)
-    reduced_axes: tuple[str, ...] = ()
     rank: int = 0
-
-    def __post_init__(self) -> None:
-        _check_steps(self.steps)
 
 
 # -- entry points --------------------------------------------------------------------------
