@@ -446,7 +446,9 @@ def test_run_world_prints_progress(capfd):
     assert run_world(2, _rank_one_is_slow, timeout=300) == [0, 1]
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("[mimo_fx] 2-process")]
-    # after PROGRESS seconds: both started, rank 0 done, rank 1 running; then only changes
-    assert launch.PROGRESS < 8 and 1 <= len(lines) <= 2 and len(set(lines)) == len(lines), err
-    assert "2/2 ranks started, 1/2 done; running: ranks 1" in lines[0], lines
+    # from PROGRESS seconds on, a line each time the state changes (a loaded machine may
+    # still be starting ranks at the first one, or see rank 1 finish before its result
+    # is read); one of them shows rank 0 done and rank 1 still running
+    assert launch.PROGRESS < 8 and 1 <= len(lines) <= 5 and len(set(lines)) == len(lines), err
+    assert any("2/2 ranks started, 1/2 done; running: ranks 1" in line for line in lines), lines
     assert time.monotonic() - start < 300
