@@ -46,7 +46,7 @@ from plan_quality import CASES as QUALITY_CASES  # noqa: E402
 from mimo_fx import Grid, Layout  # noqa: E402
 from mimo_fx.compiled import lowering  # noqa: E402
 from mimo_fx.plan import backward_plan, clear_caches, plan, plan_for_rank  # noqa: E402
-from mimo_fx.sizes import Template  # noqa: E402
+from mimo_fx.templates import Template  # noqa: E402
 
 WORLDS, QUICK_WORLDS = (8, 64, 512, 4096), (8, 64)
 TARGET_MS = 1.0

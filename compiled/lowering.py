@@ -47,7 +47,7 @@ from mimo_fx.plan import (
     kind_of,
 )
 from mimo_fx.regions import Box, Interval, Tiling, box_volume
-from mimo_fx.sizes import Symbolizer
+from mimo_fx.templates import Symbolizer
 from mimo_fx.symbolic import Expr, Undecided, hint, known_ge, smax, smin
 
 __all__ = ["View", "Cat", "Scatter", "Take", "AddAt", "Op", "Program", "lower", "lower_rows",
@@ -354,7 +354,7 @@ def _member(groups, rank: int):
 def lower(plan: Plan | RankPlan, rank: int, sym: Symbolizer | None = None) -> Program:
     """The program ``rank`` runs for ``plan``: a whole plan, or ``rank``'s part of one
     (``plan_for_rank``), which lowers to the same program. With ``sym`` (a template's
-    symbolizer) its numbers are polynomials in the size variables (:mod:`mimo_fx.sizes`)."""
+    symbolizer) its numbers are polynomials in the size variables (:mod:`mimo_fx.templates`)."""
     if isinstance(plan, RankPlan) and plan.rank != rank:
         raise MimoFxError(f"lower: this is rank {plan.rank}'s part of the plan, not rank "
                           f"{rank}'s; plan rank {rank}'s part with plan_for_rank(..., rank={rank})")

@@ -4,7 +4,7 @@ Dims whose sizes a bridge is built with are *fixed*; the others are *free*: a ca
 them (``bridge(x, s=4096)``) or, where it does not, every rank learns them from the
 ranks holding src (one small all-gather of int64 shapes, see :mod:`.learn`; the bridge
 runs it, this part only says when and reads the answer). With free dims the bridge
-plans once, at sizes its layouts choose, a *template* (:mod:`mimo_fx.sizes`) whose
+plans once, at sizes its layouts choose, a *template* (:mod:`mimo_fx.templates`) whose
 lowered programs hold polynomials in the sizes: every size the template serves (free
 even sizes multiples of :attr:`Sizing.granules`) runs those programs with no planning,
 and under ``torch.compile`` one graph serves them all. Other sizes (uneven cuts, counts
@@ -27,7 +27,7 @@ import torch
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
 from mimo_fx.plan import backward_layouts, check_sizes, plan_for_rank, plan_groups, size_arguments
-from mimo_fx.sizes import Template, canonical_sizes
+from mimo_fx.templates import Template, canonical_sizes
 from mimo_fx.symbolic import Expr
 
 from . import lowering

@@ -20,7 +20,7 @@ __all__ = ["Executor", "apply"]
 class Executor(Protocol):
     """Runs a plan, or its lowered form, on local tensors (one per src holder it serves);
     a template program's numbers at ``env`` (``{variable: value}``, see
-    :mod:`mimo_fx.sizes`); ``direction`` is ``"forward"`` or ``"backward"``. An executor
+    :mod:`mimo_fx.templates`); ``direction`` is ``"forward"`` or ``"backward"``. An executor
     given ``aux`` tensors by :func:`apply` is called as ``run(plan, tensors, env, aux,
     direction=...)`` in both directions."""
 

@@ -1,7 +1,7 @@
 """Templates: one lowered program per rank serves every size of its regime.
 
 A template is the plan pair at template sizes whose lowered programs hold polynomials
-in the sizes (:mod:`mimo_fx.sizes`, :mod:`mimo_fx.symbolic`). Here every rank's
+in the sizes (:mod:`mimo_fx.templates`, :mod:`mimo_fx.symbolic`). Here every rank's
 template program runs in threads (collectives emulated, see ``threads.py``) at sizes
 other than the template's -- several multiples of the granules for even dims, random
 counts (zero-length shards included) for ragged dims -- both evaluated eagerly
@@ -22,7 +22,7 @@ from threads import run_programs
 from mimo_fx import Grid, Layout
 from mimo_fx.compiled import lowering
 from mimo_fx.reference import shard
-from mimo_fx.sizes import Template
+from mimo_fx.templates import Template
 from mimo_fx.symbolic import Expr, Undecided, known_ge, smax
 
 EVEN = [c for c in CASES if "uneven" not in c.tags]
