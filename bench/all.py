@@ -15,7 +15,7 @@ Runs, one after the other so they do not disturb each other's timings:
    eager leader-based bridge vs the bare collectives -> ``dtensor_compare_gloo8.txt``.
 4. ``compiled_speed.py``: redistribute vs the bare collectives it lowers to, call
    overhead, compile time -> ``compiled_speed_gloo8.txt``.
-5. ``variable_sizes.py``: a new size per rank at 8-4096 ranks, the size exchange's cost,
+5. ``variable_sizes.py``: a new size per rank at 8-4096 ranks, the size gather's cost,
    a compiled training loop with the length changing every step vs a fixed length
    -> ``variable_sizes.txt``.
 6. ``vlm_step.py``: a real VLM step (a tiny HF LLaVA, FSDP2 + DTensor TP, 4 gloo ranks):

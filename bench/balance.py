@@ -28,7 +28,7 @@ to group ``d``), *balanced* is :func:`mimo_fx.placement.place`.
    balanced, from the layouts' row maps (a row moves when its dst rank is not its src
    rank; checked against the row planner's bytes on two steps): patches (14 x 14 x 3
    bf16 pixels, forward), image embeddings (4096 bf16, forward and backward), text
-   (token ids, int64, forward), and the sample exchange itself (one all-gather).
+   (token ids, int64, forward), and the sample gather itself (one all-gather).
 3. **Step time** (8 gloo processes, 2 cores): each step, both placements in turn (the
    order alternating), every rank doing the real exchange, ``place`` (by the real
    costs), the patches and embeddings bridges (``redistribute``, eager, one row per 256
@@ -78,7 +78,7 @@ SOURCES = {
 ROW_BYTES = {"patches": 14 * 14 * 3 * 2, "embeddings": 4096 * 2, "text": 8}
 BACKWARD = {"patches": False, "embeddings": True, "text": False}
 SCALE, WIDTH, D, REPS = 256, 64, 256, 192  # the timed steps' rows, row width, compute
-EXCHANGE = 512  # int64 values per rank in the sample exchange
+EXCHANGE = 512  # int64 values per rank in the sample gather
 
 
 # -- the distribution --------------------------------------------------------------------
@@ -216,7 +216,7 @@ def bytes_table(out: dict) -> str:
                      format_bytes(per["balanced"]),
                      format_bytes(per["balanced"] - per["naive"])])
     exchange = (LOADERS.size - 1) * EXCHANGE * 8 * LOADERS.size  # a ring all-gather
-    rows.append(["sample exchange", f"{EXCHANGE} int64/rank", "-", format_bytes(exchange),
+    rows.append(["sample gather", f"{EXCHANGE} int64/rank", "-", format_bytes(exchange),
                  format_bytes(exchange)])
     totals["balanced"] += exchange
     rows.append(["all", "", format_bytes(totals["naive"]), format_bytes(totals["balanced"]),

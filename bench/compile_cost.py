@@ -3,13 +3,13 @@ call, and the wall time of a step's first (compiling) call, this tree against an
 
 A bridge call is traced at every compile of every step that calls it, so the suite and a
 user's first step pay for each instruction of the call's Python (the custom vjp, the
-executor, the numbers of a template program, the size exchange's inference). Cases, on
+executor, the numbers of a template program, the size gather's inference). Cases, on
 4 gloo ranks, ``aot_eager``, a zigzag fan-in TP2xDP2 -> CP2xDP2 (``(dp b) s h`` ->
 ``(dp b) (cp s) h``):
 
 - ``fixed``: every size given when the bridge is built (a plain program);
 - ``learned``: only ``h`` given, ``b`` and ``s`` learned per call (a template program
-  evaluated at the call's sizes, and the size exchange).
+  evaluated at the call's sizes, and the size gather).
 
 Per case and tree: the instructions Dynamo steps through while compiling a step with one
 call of the bridge (rank 0; counted by wrapping Dynamo's instruction step, so the count

@@ -10,12 +10,12 @@ at a fixed length.
    whole world. Target: at most 1 ms per rank at 4,096 ranks. CPU time, cold (the first
    evaluation at that size), best of 3; what the bridge prepares once (its programs and
    their evaluators, ``lowering.evaluator``) is not counted.
-2. **The size exchange** (8 gloo processes, 2 cores): a colocated fan-in to zigzag CP
+2. **The size gather** (8 gloo processes, 2 cores): a colocated fan-in to zigzag CP
    (TP2xDP4 -> TP2xCP2xDP2) called eagerly by a bridge built with every size (fixed),
-   with ``b``, ``s`` free and given in every call (the same sizes: exchanged at the
+   with ``b``, ``s`` free and given in every call (the same sizes: gathered at the
    first call only, then the data alone; target: at most 1.2x the fixed bridge) and
    with them learned (one all-gather of int64 shape rows first), at 16 KiB and 1 MiB of
-   src per rank; beside them the exchange alone and the bare data transfer. Median wall
+   src per rank; beside them the size gather alone and the bare data transfer. Median wall
    time per call, interleaved.
 3. **A compiled training loop** (8 gloo processes): ``tanh(x @ w1)`` on the encoder
    layout, the bridge, ``(y @ w2)^2`` summed, ``loss.backward()``, compiled with
@@ -115,8 +115,8 @@ def new_size_table(worlds) -> str:
                                    f"<= {TARGET_MS:g} ms"], disable_numparse=True)
 
 
-# -- 2. the size exchange, 3. the compiled loop (8 gloo processes) ----------------------
-def _exchange_rows(rank: int, iters: int) -> list:
+# -- 2. the size gather, 3. the compiled loop (8 gloo processes) ----------------------
+def _gather_size_rows(rank: int, iters: int) -> list:
     from common import bare
 
     from mimo_fx.compiled import Redistributor
@@ -133,7 +133,7 @@ def _exchange_rows(rank: int, iters: int) -> list:
             "fixed": lambda x=x, b=fixed: b(x),
             "given": lambda x=x, s=s, b=bridge: b(x, b=8, s=s),
             "learned": lambda x=x, b=learning: b(x),
-            "exchange": lambda x=x, b=learning, h=h: b._learn(x, {"h": h}, {}),
+            "gather": lambda x=x, b=learning, h=h: b._learn(x, {"h": h}, {}),
             "bare": bare(fwd, bridge.executor.comm),
         }, iters, 5)
         rows.append((label, {k: v[0] for k, v in times.items()}))
@@ -184,7 +184,7 @@ def _world(rank: int, world: int, quick: bool) -> dict:
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1
-    out = {"exchange": _exchange_rows(rank, 20 if quick else 60)}
+    out = {"gather": _gather_size_rows(rank, 20 if quick else 60)}
     steps, warm = (10, 14) if quick else (40, 21)
     for backend in ("aot_eager",) if quick else ("aot_eager", "inductor"):
         out[backend] = _loop_times(rank, backend, steps, warm, 512)
@@ -196,17 +196,17 @@ def gloo_tables(quick: bool) -> str:
 
     results = run_world(8, _world, quick, timeout=1800)
     rows = []
-    for i, (label, _) in enumerate(results[0]["exchange"]):
-        t = {k: max(r["exchange"][i][1][k] for r in results) * 1e6
-             for k in ("fixed", "given", "learned", "exchange", "bare")}
+    for i, (label, _) in enumerate(results[0]["gather"]):
+        t = {k: max(r["gather"][i][1][k] for r in results) * 1e6
+             for k in ("fixed", "given", "learned", "gather", "bare")}
         rows.append([label, f"{t['bare']:.0f}", f"{t['fixed']:.0f}", f"{t['given']:.0f}",
-                     f"{t['learned']:.0f}", f"{t['exchange']:.0f}",
+                     f"{t['learned']:.0f}", f"{t['gather']:.0f}",
                      f"{t['given'] / t['fixed']:.2f}", f"{t['learned'] / t['given']:.2f}",
                      "OK" if t["given"] / t["fixed"] <= 1.2 else "MISSED"])
-    out = ["size exchange, 8 gloo processes, eager, median µs per call (slowest rank); "
-           "sizes given: the same sizes every call (exchanged at the first only)",
+    out = ["size gather, 8 gloo processes, eager, median µs per call (slowest rank); "
+           "sizes given: the same sizes every call (gathered at the first only)",
            tabulate(rows, headers=["src per rank", "bare data transfer", "fixed sizes",
-                                   "sizes given", "sizes learned", "exchange alone",
+                                   "sizes given", "sizes learned", "gather alone",
                                    "given / fixed", "learned / given", "<= 1.2"],
                     disable_numparse=True), ""]
     loops = []

@@ -16,7 +16,7 @@ encoder ranks to both LM ranks and their gradients back:
   It learns the row counts every call (one small all-gather over the 4 ranks);
 - **mimo_fx, counts given**: the same, every rank giving the step's row counts (the
   LM's compiled step reads them from a tensor: unbacked sizes, no recompile), so no
-  size exchange;
+  size gather;
 - **p2p**: a hand-written ``autograd.Function`` over ``dist.isend``/``irecv`` (eager): each
   encoder rank sends its row count, then its rows, to both LM ranks; backward, one LM
   rank per encoder rank sends that rank's gradient rows back;
@@ -28,7 +28,7 @@ For p2p and gather the LM's compute is compiled (``fullgraph=True``) with the ro
 its input, the bridge around it eager. Repetitions are interleaved (the order rotating,
 a barrier before each step), times are the max over ranks, medians over repetitions.
 Bytes are each rank's sends per step from the plans (mimo_fx: forward + backward plans
-and its size exchange) or from the counts (p2p, gather; gloo's ring all-gather and
+and its size gather) or from the counts (p2p, gather; gloo's ring all-gather and
 all-reduce), averaged over the step mix, for the busiest rank. Compile status: each
 bridge's call traced with ``fullgraph=True`` and compiled by aot_eager on fake tensors
 (forward and backward), nothing run; the error text if that fails. The warm-up steps
@@ -156,7 +156,7 @@ def bytes_per_rank(kind: str, rows: tuple[int, int], h: int, world: int = 4) -> 
         for p in (plan(src, dst, sizes), backward_plan(src, dst, sizes)):
             for r, n in p.bytes_sent.items():
                 out[r] += n
-        for r in out:  # the size exchange: one int64 row per rank, all-gathered (ring)
+        for r in out:  # the size gather: one int64 row per rank, all-gathered (ring)
             out[r] += (world - 1) * HEADER_LEN * 8 if kind == "mimo_fx" else 0
     elif kind == "p2p":
         for i, r in enumerate(ENC):

@@ -42,7 +42,7 @@ def prepare(src: Layout, dst: Layout, sizes: dict | None = None, dtype=torch.flo
             grad_partial=(), comm_dtype=None, checked: bool = False,
             device=None) -> Redistributor:
     """Create (once) the bridge :func:`redistribute` uses for these layouts and options.
-    ``sizes`` pins those dims (calls then give them or nothing, and exchange nothing for
+    ``sizes`` pins those dims (calls then give them or nothing, and gather nothing for
     them); the others are given or learned per call."""
     opts = Options(dtype, grad_partial, comm_dtype, checked, device)
     return bridge_for(src, dst, opts, sizes)

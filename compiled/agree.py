@@ -6,15 +6,15 @@ layouts, sizes, dtypes, options and name. Ranks that build one bridge differentl
 create other groups (gloo's setup fails with a raw store error), or the same groups and
 then move other bytes (an abort, or wrong data with no error). So before any group is
 created every rank posts its definition -- a few short strings -- to the default
-process group's store and reads every other rank's: one exchange per build, none per
+process group's store and reads every other rank's: one agreement per build, none per
 call. A difference is a :class:`MimoFxError` on every rank, naming the field, the
 values and which ranks hold which; a rank that never posts is named after
 ``MIMO_FX_TIMEOUT`` seconds (see :mod:`.timeouts`), and its peers withdraw, so the
 world can go on building bridges.
 
-Exchanges are keyed by their place in this rank's sequence of builds (ranks build
-bridges in one order) and a round, bumped when an exchange is given up: a rank that
-skipped a build meets its peers at the next one. Only an exchange every rank completed
+Agreements are keyed by their place in this rank's sequence of builds (ranks build
+bridges in one order) and a round, bumped when an agreement is given up: a rank that
+skipped a build meets its peers at the next one. Only an agreement every rank completed
 advances the sequence.
 """
 
@@ -98,7 +98,7 @@ def agree(name: str, fields: Mapping[str, str], what: str) -> None:
 
 
 def _wait(store, state: str, rank: int) -> str:
-    """Wait for the exchange's state: ``done``, or closed (by this rank at the deadline,
+    """Wait for the agreement's state: ``done``, or closed (by this rank at the deadline,
     atomically: a last rank completing it at that moment wins)."""
     deadline = time.monotonic() + timeout_seconds()
     pause = 0.0005

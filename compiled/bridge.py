@@ -28,7 +28,7 @@ deadlock, also across several bridges (interleaved schedules: issue a step's sen
 first, then its receives).
 
 Sizes: on a bridge with free dims each forward learns its sizes (the receivers too:
-this is the pipelined bridge's shape exchange, also point-to-point) or takes them from
+this is the pipelined bridge's size gather, also point-to-point) or takes them from
 the call, and each backward runs at the sizes of the oldest forward whose backward has
 not run yet. A call posts every small row it sends (size rows; check headers in checked
 mode) before it waits for anything. The receiving side waits for every row; the sending
@@ -187,20 +187,20 @@ class Bridge(Redistributor):
         given = sizing.given(sizes, {})
         full = {**self.fixed, **given}
         missing = sizing.missing(given)
-        exchange = sizing.exchanges(missing)  # the size rows also check the call
-        if exchange:
+        gather = sizing.gathers_sizes(missing)  # the size rows also check the call
+        if gather:
             rows, now, rest = self._gather_rows(0, self._size_row(x, full, batch), SIZES)
         elif self.checked:
             shape = self._programs(full, frozenset(), x, batch).src_shape
             header, print_ = guard.header(x, "src", shape, full, self._print(full))
             rows, now, rest = self._gather_rows(0, header, CHECKS)
         yield None
-        if exchange:
+        if gather:
             known = full
             full = sizing.sizes_from(rows(), known, now)
             self._later(rest, lambda got: self._same_sizes(got, known, full))
         programs = self._programs(full, frozenset(missing), x, batch)
-        if self.checked and not exchange:
+        if self.checked and not gather:
             guard.verdict(rows(), "src", print_, full, now)
             self._later(rest, lambda got: guard.verdict(got, "src", print_, full))
         else:

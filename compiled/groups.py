@@ -10,7 +10,7 @@ A group is named by its ranks and a *tag*: data groups have tag ``""``; every br
 also has a check group over the union of its grids (tag ``"check"``; created whether or
 not the bridge is checked, so ranks that disagree on ``checked=`` still create the same
 groups), with the timeout of :mod:`.timeouts` (seconds; environment variable
-``MIMO_FX_TIMEOUT``, read when the group is created). A checked call's exchange
+``MIMO_FX_TIMEOUT``, read when the group is created). A checked call's header gather
 runs there, so it can never pair with a data collective.
 
 Two lifecycle rules keep gloo's connection setup safe over many build/destroy cycles:

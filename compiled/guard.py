@@ -41,7 +41,7 @@ __all__ = ["Expect", "inspect", "problem_text", "Header", "fingerprint", "MAGIC"
 
 OK, NONE_HOLDS, NOT_EMPTY, NOT_TENSOR, SHAPE, DTYPE, DEVICE, FAILED = range(8)
 MAGIC = 0x6D696D6F  # "mimo": a header, not data
-MAGIC_SIZES = 0x6D696D73  # "mims": a row of the size exchange (the same width)
+MAGIC_SIZES = 0x6D696D73  # "mims": a row of the size gather (the same width)
 MAX_DIMS = 8        # shape entries carried in a header (for messages)
 # marker, fingerprint, code, dtype, device, ndim, dims; then the call's state: its side
 # (0 forward, 1 backward), the bridge's forward and backward calls so far on this rank,
@@ -506,7 +506,7 @@ class Guard:
     def checked_call(self, header: list[int], expected: list[int], full: dict | None) -> None:
         """A checked call, when it runs (eagerly, or the op a compiled graph holds): this
         rank's header completed -- the shape it can only compare now, its call counts --
-        exchanged with every rank's, and every rank raises the same error on any
+        gathered with every rank's, and every rank raises the same error on any
         rank's problem; else the counts move on."""
         state = 6 + MAX_DIMS
         side = SIDES[header[state]]
@@ -519,7 +519,7 @@ class Guard:
             elif shape is not None and dims != shape:
                 header[2] = SHAPE
         header[state + 1], header[state + 2] = self.calls["src"], self.calls["dst"]
-        rows = self.exchange(int_tensor(header, self.device))
+        rows = self.gather_headers(int_tensor(header, self.device))
         self.verdict(rows, side, header[1], full, shape=shape)
         self.calls[side] += 1
 
@@ -530,7 +530,7 @@ class Guard:
             raise err
         state = (SIDES.index(side), self.calls["src"], self.calls["dst"], 0, 0)
         mine = int_tensor(Header.encode(None, FAILED, self.prints[side], state), self.device)
-        rows = self.exchange(mine)
+        rows = self.gather_headers(mine)
         try:
             self.verdict(rows, side, self.prints[side], {}, expects=False)
         except MimoFxError as every:
@@ -557,7 +557,7 @@ class Guard:
         state = (SIDES.index(side), 0, 0, 0, 0)
         return int_tensor(Header.encode(x, code, print_, state), self.device), print_
 
-    def exchange(self, mine: torch.Tensor) -> torch.Tensor:
+    def gather_headers(self, mine: torch.Tensor) -> torch.Tensor:
         """Every rank's header (eagerly; a timeout or a lost peer is an error)."""
         from .timeouts import cause, wait_time
 
@@ -597,7 +597,7 @@ class Guard:
     def traced(self, x, side: str, shape, full: dict) -> None:
         """The checks under ``torch.compile``: what the trace decides raises now, with
         the eager error; a size relation it cannot decide is checked when the graph
-        runs; checked mode exchanges headers in-graph."""
+        runs; checked mode gathers headers in-graph."""
         from torch.fx.experimental.symbolic_shapes import guard_or_true, statically_known_true
 
         if x is None:

@@ -1,11 +1,11 @@
-"""Sizes learned by the ranks that do not know them: the size exchange.
+"""Sizes learned by the ranks that do not know them: the size gather.
 
 A call that does not give every size learns the missing ones from the ranks holding
 src: every rank of the two grids contributes one small int64 row -- a marker, the
 bridge's fingerprint, the number of dims and the dtype of the tensor it passed (none
 for None), the tensor's local shape -- to one
 all-gather over the grids' union, on the bridge's check group (its own process group
-with its own timeout, so a rank that skipped the exchange makes the others fail with an
+with its own timeout, so a rank that skipped the gather makes the others fail with an
 error, not pair the rows with data). Every rank then infers the same sizes from the
 same rows (uneven splits exactly, a ragged dim's counts one per shard) and raises the
 same error if a row is wrong. Under ``torch.compile`` the rows become unbacked SymInts
@@ -42,12 +42,12 @@ HEADER = 4  # marker, fingerprint, 1 + the tensor's dims (0: None), its dtype
 
 
 class Row:
-    """One rank's row of the size exchange."""
+    """One rank's row of the size gather."""
 
     @staticmethod
     def width(ndim: int) -> int:
-        """A row's length: a check header's (so a size exchange that meets a check can
-        never be an exchange of unequal sizes, which gloo aborts on)."""
+        """A row's length: a check header's (so a size gather that meets a check can
+        never be a gather of unequal sizes, which gloo aborts on)."""
         assert ndim <= MAX_DIMS, ndim
         return HEADER_LEN
 
@@ -68,7 +68,7 @@ def _eager_check(ok, message) -> None:
 
 def _compiled_check(ok, message) -> None:
     # the message's values are symbolic here; the eager call names them
-    torch._check(ok, lambda: "mimo_fx: the shapes of the size exchange disagree with the "
+    torch._check(ok, lambda: "mimo_fx: the shapes of the size gather disagree with the "
                              "layouts (run the call eagerly to see which rank and why)")
 
 
@@ -77,8 +77,8 @@ def holder_shapes(rows: torch.Tensor, ranks: tuple[int, ...], src: Layout,
     """The local shapes the src holders sent, one holder per piece, by rank, as SymInts
     under ``torch.compile``: only these entries of the table become unbacked SymInts
     (each costs Dynamo milliseconds to trace and the graph a run-time assert). The rest
-    -- the headers, and that replicas of a piece sent its shape -- the exchange op
-    judges when the graph runs (``_exchange_impl``), raising the eager call's error."""
+    -- the headers, and that replicas of a piece sent its shape -- the gather op
+    judges when the graph runs (``_gather_sizes_impl``), raising the eager call's error."""
     at = _holder_rows(ranks, src)
     if not at or not ndim:
         return {ranks[i]: () for i in at}
@@ -104,7 +104,7 @@ def _holder_rows(ranks: tuple[int, ...], src: Layout) -> list[int]:
 
 def learn_sizes(rows: torch.Tensor, ranks: tuple[int, ...], src: Layout, given: dict,
                 print_: int, dtype: torch.dtype, context: str) -> dict:
-    """Every dim's size from the exchanged ``rows`` (a table, one row per rank of
+    """Every dim's size from the gathered ``rows`` (a table, one row per rank of
     ``ranks``), ``given`` first. Eagerly a bad row raises :class:`MimoFxError` on every
     rank, naming the rank."""
     compiling = torch.compiler.is_compiling()
@@ -116,7 +116,7 @@ def learn_sizes(rows: torch.Tensor, ranks: tuple[int, ...], src: Layout, given: 
         listed = rows.view(len(ranks), -1).tolist()
         problems = _row_problems(listed, ranks, src, print_, ndim, dtype)
         if problems:
-            raise MimoFxError(context + "the size exchange found:\n  " + "\n  ".join(problems))
+            raise MimoFxError(context + "the size gather found:\n  " + "\n  ".join(problems))
         shapes = {r: tuple(row[HEADER:HEADER + ndim]) for r, row in zip(ranks, listed)
                   if src.holds(r)}
     try:
@@ -126,7 +126,7 @@ def learn_sizes(rows: torch.Tensor, ranks: tuple[int, ...], src: Layout, given: 
     if not compiling:  # every holder's shape at the sizes, seen by every rank
         wrong = _wrong_shapes(src, shapes, sizes)
         if wrong:
-            raise MimoFxError(context + "the size exchange found:\n  " + "\n  ".join(wrong))
+            raise MimoFxError(context + "the size gather found:\n  " + "\n  ".join(wrong))
     return sizes
 
 
@@ -161,11 +161,11 @@ def _row_problems(rows, ranks, src: Layout, print_: int, ndim: int,
         shape = tuple(row[HEADER:HEADER + ndim])
         if magic == MAGIC:
             out.append(f"rank {rank} sent a check header instead of a size row: it gave "
-                       f"every size (then no exchange runs) and checks its call; every rank "
+                       f"every size (then no size gather runs) and checks its call; every rank "
                        f"must give the same set of sizes")
         elif magic != MAGIC_SIZES:
             out.append(f"rank {rank} sent no size row: it gave every size (then no "
-                       f"exchange runs), called another collective, or left; every rank "
+                       f"size gather runs), called another collective, or left; every rank "
                        f"must give the same set of sizes")
         elif split:
             continue

@@ -3,7 +3,7 @@
 A bridge's state -- its groups, guard, sizing, call counters, description, its last
 source-only result -- lives on the bridge object. Code that meets only a bridge's name
 finds the bridge here: a compiled call (which must reach its bridge through a global,
-see :func:`find`), a compiled graph's size exchange (its op takes the name, a
+see :func:`find`), a compiled graph's size gather (its op takes the name, a
 constant), a collective's completion or failure (its site string begins with the name,
 see :mod:`.timeouts`) and :func:`mimo_fx.backward` (every bridge's source-only result).
 

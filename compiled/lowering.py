@@ -47,8 +47,8 @@ from mimo_fx.plan import (
     kind_of,
 )
 from mimo_fx.regions import Box, Interval, Tiling, box_volume
-from mimo_fx.templates import Symbolizer
 from mimo_fx.symbolic import Expr, Undecided, hint, known_ge, smax, smin
+from mimo_fx.templates import Symbolizer
 
 __all__ = ["View", "Cat", "Scatter", "Take", "AddAt", "Op", "Program", "lower", "lower_rows",
            "coalesce", "at", "evaluator", "symbolic", "row_variables"]

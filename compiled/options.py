@@ -30,7 +30,7 @@ class Options:
         dtype: the dtype of the tensors moved (the caller's).
         grad_partial: dst replicated axes whose cotangents are summed (see the op).
         comm_dtype: move data in this dtype (e.g. bf16) and return ``dtype``.
-        checked: every rank exchanges what it was called with before each call, so any
+        checked: every rank gathers what every rank was called with before each call, so any
             rank's mistake raises on every rank (see :mod:`.guard`).
         device: where data moves and ranks without a src piece make their placeholder
             (None: the current CUDA device under NCCL, else CPU).
@@ -114,7 +114,7 @@ def require_compiler(*, scalar_outputs: bool = False, unbacked_tensors: bool = F
     """Set the global compiler options a bridge needs; the only place that sets any.
 
     ``scalar_outputs``: Dynamo's ``capture_scalar_outputs``, so sizes read back from a
-    tensor in a compiled step (``.tolist()`` of the size exchange, a row route's counts)
+    tensor in a compiled step (``.tolist()`` of the size gather, a row route's counts)
     stay in the graph as unbacked ints instead of breaking it.
     ``unbacked_tensors``: inductor's ``joint_graph_constant_folding`` off: in torch 2.13
     that pass asks whether a zero tensor of unbacked length (a row backward's per-row

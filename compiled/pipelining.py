@@ -43,7 +43,7 @@ stages the stage -> pipeline rank map; a stage takes that assignment as the sign
 **Sizes and metadata.** Every dim of every boundary has a fixed per-micro-batch size
 (``sizes=``), as torch's fixed receive buffers assume. Stage inputs and outputs are
 described from the layouts, so no example arguments are needed and no metadata is
-exchanged; received activations require grad whenever the schedule has a loss.
+sent; received activations require grad whenever the schedule has a loss.
 
 **Losses and gradients.** Each rank of the last grid computes ``loss_fn(output, target)``
 on its piece of the micro-batch; :meth:`BridgedPipeline.loss` hands ``loss_fn`` this
@@ -438,7 +438,7 @@ class BridgedStage(PipelineStage):
             self._pipe.outbox.in_order = True
         self._stage_to_rank = mapping
 
-    # -- set-up: shapes come from the layouts, nothing is exchanged -----------------------------
+    # -- set-up: shapes come from the layouts, nothing is sent ---------------------------------
     def _warmup_forward_vote(self, has_backward: bool, received_acc=None) -> torch.Tensor:
         """Every stage's metadata is static (1): no vote crosses the pipeline."""
         return torch.ones(1, dtype=torch.int32)

@@ -71,7 +71,7 @@ class Redistributor:
             dim's size is its tuple of counts.
         dtype, grad_partial, comm_dtype, checked, device: the bridge's options
             (:class:`~.options.Options`). ``checked``: before each call all ranks
-            exchange what they were called with (on a group of their own), so any
+            gather what they were called with (on a group of their own), so any
             rank's mistake raises :class:`MimoFxError` on every rank instead of hanging;
             a rank waits for the others ``MIMO_FX_TIMEOUT`` seconds (300). Unchecked calls
             still validate locally: the offending rank raises before any collective.
@@ -83,7 +83,7 @@ class Redistributor:
             the other's.
     """
 
-    _agreed: tuple | None  # the last size exchange: (this rank's row, rows, sizes)
+    _agreed: tuple | None  # the last size gather: (this rank's row, rows, sizes)
 
     def __init__(self, src: Layout, dst: Layout, sizes: dict | None = None,
                  dtype=torch.float32, *, grad_partial=(), comm_dtype=None,
@@ -139,7 +139,7 @@ class Redistributor:
         self._require_compiler()
         _log_plans(self)
         self._warned_func, self._warned_backward, self._agreed = False, False, None
-        # the last eager call with every size given: (its shape and sizes, the exchange it
+        # the last eager call with every size given: (its shape and sizes, the size gather it
         # agreed on, the sizes) -- the same call again learns nothing and checks nothing new
         self._given_last: tuple | None = None
         # nothing to move either way: a call returns its input (a view of it)
@@ -155,7 +155,7 @@ class Redistributor:
     def _require_compiler(self) -> None:
         """The compiler settings this bridge's traced calls need."""
         if self.sizing.varies:
-            # the size exchange's rows, a route's counts: read back as ints (.tolist());
+            # the size gather's rows, a route's counts: read back as ints (.tolist());
             # a row backward's per-row sums, a ragged dim's pieces and their gradients:
             # tensors of run-time length, zero on some ranks
             require_compiler(scalar_outputs=True, unbacked_tensors=self.sizing.unbacked)
@@ -389,8 +389,8 @@ class Redistributor:
         return self.guard(g, "dst", shape, None, None, True)
 
     def _sizes(self, x, sizes, dim_sizes, layouts: dict) -> tuple[dict, frozenset]:
-        """Every dim's size for this call, and the dims learned by the exchange. A
-        bridge whose sizes or batch vary exchanges size rows on every call, learning
+        """Every dim's size for this call, and the dims learned by the size gather. A
+        bridge whose sizes or batch vary gathers size rows on every call, learning
         what is missing and checking what is given (the rows carry its digest): ranks
         that give different sizes or batches raise, never pair mismatched data."""
         if not self.sizing.varies:
@@ -402,11 +402,11 @@ class Redistributor:
         missing = self.sizing.missing(given)
         if len(self.union) == 1:
             return full, frozenset()
-        if not self.sizing.exchanges(missing) and not torch.compiler.is_compiling():
+        if not self.sizing.gathers_sizes(missing) and not torch.compiler.is_compiling():
             key = (None if x is None else tuple(x.shape), tuple(full.items()))
             last = self._given_last
             if last is not None and last[0] == key and last[1] is self._agreed:
-                return dict(last[2]), frozenset()  # (the exchange would be skipped as agreed)
+                return dict(last[2]), frozenset()  # (the gather would be skipped as agreed)
             self._check_given(x, full)
             out = self._learn(x, full, layouts)
             self._given_last = (key, self._agreed, out)
@@ -414,24 +414,24 @@ class Redistributor:
         return self._learn(x, full, layouts), frozenset(missing)
 
     def _check_given(self, x, full: dict) -> None:
-        """Every size given: this rank's tensor judged against them before the exchange
+        """Every size given: this rank's tensor judged against them before the size gather
         (a rank alone in its mistake raises at once, before any collective). Eager
         only: a trace's sizes are symbols, judged when its checks run."""
         self.guard.local(x, "src", self.guard.expect("src", self.rank, full).shape, full)
 
     def _learn(self, x, known: dict, layouts: dict) -> dict:
-        """The exchange: every rank's shape row, then every size from them. Under
-        ``torch.compile`` the exchange is an ordered op that also judges the rows when
+        """The size gather: every rank's shape row, then every size from them. Under
+        ``torch.compile`` the gather is an ordered op that also judges the rows when
         the graph runs, raising the eager call's error on every rank."""
         row = self.sizing.size_row(x, self.device)
         batch = self.sizing.batch(layouts)
         values, spec = flat_sizes(known)
-        if not torch.compiler.is_compiling():  # (the exchange learns them as it judges)
-            return _exchange_eager(self, row, values, batch, spec)[1]
-        rows = _EXCHANGE(row, values, batch, self.name, spec)
+        if not torch.compiler.is_compiling():  # (the gather learns them as it judges)
+            return _gather_sizes_eager(self, row, values, batch, spec)[1]
+        rows = _GATHER_SIZES(row, values, batch, self.name, spec)
         return self.sizing.sizes_from(rows.view(len(self.union), -1), known)
 
-    def _exchange_rows(self, row: torch.Tensor) -> torch.Tensor:
+    def _gather_size_rows(self, row: torch.Tensor) -> torch.Tensor:
         assert self._check_comm is not None
         try:
             return self._check_comm.all_gather(row, self.union).view(len(self.union), -1)
@@ -580,27 +580,27 @@ def fold_call(row: torch.Tensor, known, spec: str, batch) -> torch.Tensor:
     return row
 
 
-def _exchange_impl(row: torch.Tensor, known, batch, bridge: str, spec: str) -> torch.Tensor:
+def _gather_sizes_impl(row: torch.Tensor, known, batch, bridge: str, spec: str) -> torch.Tensor:
     """Every rank's size row, its fingerprint folding in the sizes the call gives and
     its batch, judged as an eager call judges them (the same error on every rank for a
     bad one)."""
-    return _exchange_eager(live.named(bridge), row, known, batch, spec)[0]
+    return _gather_sizes_eager(live.named(bridge), row, known, batch, spec)[0]
 
 
-def _exchange_eager(self: Redistributor, row: torch.Tensor, known, batch,
+def _gather_sizes_eager(self: Redistributor, row: torch.Tensor, known, batch,
                     spec: str) -> tuple[torch.Tensor, dict]:
-    """:func:`_exchange_impl`'s rows, and every size they give."""
+    """:func:`_gather_sizes_impl`'s rows, and every size they give."""
     known = [int(v) for v in known]
     mine = fold_call(row.clone(), known, spec, batch)
     sizes = read_sizes(known, spec)
     key = (tuple(mine.tolist()), spec)
     agreed = self._agreed
     if agreed is not None and agreed[0] == key and not self.sizing.missing(sizes):
-        # every size given, as in the last exchange, whose rows agreed: nothing to learn
-        # and nothing new to check (a rank whose sizes changed exchanges alone and times
-        # out naming the exchange, and its peers time out in their data transfer)
+        # every size given, as in the last size gather, whose rows agreed: nothing to learn
+        # and nothing new to check (a rank whose sizes changed gathers alone and times
+        # out naming the size gather, and its peers time out in their data transfer)
         return agreed[1].clone(), dict(agreed[2])
-    rows = self._exchange_rows(mine)
+    rows = self._gather_size_rows(mine)
     learned = self.sizing.sizes_from(rows, sizes)
     out = rows.reshape(-1).clone()
     self._agreed = (key, out, learned)
@@ -609,26 +609,26 @@ def _exchange_eager(self: Redistributor, row: torch.Tensor, known, batch,
 
 _LIB = torch.library.Library("mimo_fx", "FRAGMENT")
 try:
-    _EXCHANGE = torch.ops.mimo_fx.exchange_sizes.default
+    _GATHER_SIZES = torch.ops.mimo_fx.gather_sizes.default
 except AttributeError:  # (this module may be executed twice, e.g. by a doctest run)
-    _LIB.define("exchange_sizes(Tensor row, SymInt[] known, Tensor[] batch, str bridge, "
+    _LIB.define("gather_sizes(Tensor row, SymInt[] known, Tensor[] batch, str bridge, "
                 "str spec) -> Tensor")
-    _LIB.impl("exchange_sizes", _exchange_impl, "CompositeExplicitAutograd")
+    _LIB.impl("gather_sizes", _gather_sizes_impl, "CompositeExplicitAutograd")
     torch.library.register_fake(
-        "mimo_fx::exchange_sizes",
+        "mimo_fx::gather_sizes",
         lambda row, known, batch, bridge, spec: row.new_empty(
             row.numel() * len(live.named(bridge).union)), lib=_LIB)
-    _EXCHANGE = torch.ops.mimo_fx.exchange_sizes.default
+    _GATHER_SIZES = torch.ops.mimo_fx.gather_sizes.default
     from .comm import register_ordered
 
-    register_ordered(_EXCHANGE)
+    register_ordered(_GATHER_SIZES)
 
 
 def _identity(src, dst, name: str | None) -> str:
     """A bridge's identity: ``name``, else its layouts' description and its slot among
     the bridges described alike in the registry (:mod:`.live`; the lowest free one:
     ranks that build and destroy bridges in one order give every bridge the same slot).
-    Two live bridges never have one identity: their groups, size exchanges and
+    Two live bridges never have one identity: their groups, size gathers and
     source-only backwards would be taken for each other's (bridges of other grids or
     options may be described alike)."""
     if name is not None:

@@ -107,8 +107,8 @@ class RowSizing(CallSizes):
     def varies(self) -> bool:
         return True  # every call may bring another batch
 
-    def exchanges(self, missing: tuple) -> bool:
-        return True  # the exchange checks the batch every rank passed
+    def gathers_sizes(self, missing: tuple) -> bool:
+        return True  # the size gather checks the batch every rank passed
 
     def size_row(self, x, device) -> torch.Tensor:
         from .guard import int_tensor

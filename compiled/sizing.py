@@ -27,8 +27,8 @@ import torch
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
 from mimo_fx.plan import backward_layouts, check_sizes, plan_for_rank, plan_groups, size_arguments
-from mimo_fx.templates import Template, canonical_sizes
 from mimo_fx.symbolic import Expr
+from mimo_fx.templates import Template, canonical_sizes
 
 from . import lowering
 from .guard import TracedError, raise_now, runtime_check
@@ -97,16 +97,16 @@ class CallSizes:
     def programs(self, full: dict, learned: frozenset, x=None, src=None,
                  dst=None) -> Programs:
         """This rank's :class:`Programs` for a call at ``full`` sizes (``learned``: the
-        dims its size exchange learned; ``x``: this rank's src tensor; ``src``/``dst``:
+        dims its size gather learned; ``x``: this rank's src tensor; ``src``/``dst``:
         the call's batch, on a batched sizing)."""
         raise NotImplementedError
 
     def size_row(self, x, device) -> torch.Tensor:
-        """This rank's row of the size exchange (see :mod:`.learn`)."""
+        """This rank's row of the size gather (see :mod:`.learn`)."""
         raise NotImplementedError
 
     def sizes_from(self, rows: torch.Tensor, known: dict, ranks=None) -> dict:
-        """Every size from the exchanged rows of ``ranks`` (default: both grids'),
+        """Every size from the gathered rows of ``ranks`` (default: both grids'),
         ``known`` first; a bad row raises the same error on every rank."""
         raise NotImplementedError
 
@@ -156,8 +156,8 @@ class CallSizes:
         """Whether a call may move other sizes or another batch than the last one."""
         return bool(self.free)
 
-    def exchanges(self, missing: tuple) -> bool:
-        """Whether a call missing ``missing`` sizes exchanges size rows (which also
+    def gathers_sizes(self, missing: tuple) -> bool:
+        """Whether a call missing ``missing`` sizes gathers size rows (which also
         check it on every rank)."""
         return bool(missing)
 
@@ -299,7 +299,7 @@ class Sizing(CallSizes):
         return all(len(full[d]) == m for d, m in t.counts.items())
 
     def _fresh(self, values: tuple, variables: tuple, x) -> tuple:
-        """Learned values as fresh symbols: the exchange's sizes are sums and quotients
+        """Learned values as fresh symbols: the size gather's sizes are sums and quotients
         of the rows' unbacked entries, which the compiler's shape reasoning handles
         badly (slices of unknown length); one symbol per variable, tied to its value by
         a run-time check, keeps every program number a plain polynomial."""
@@ -334,7 +334,7 @@ class Sizing(CallSizes):
             if have % coef != 0:  # known while tracing (Dynamo guards on it if symbolic)
                 # off the template: the learned size fails the check _fits_compiled put
                 # before this when the graph runs, on every rank alike (raising here,
-                # while tracing, would leave the other ranks waiting in the exchange)
+                # while tracing, would leave the other ranks waiting in the size gather)
                 return values
             # an ordered check (MimoFxError on every rank, before any data moves), not
             # torch._check: inductor evaluates a failing torch._check as soon as its
@@ -416,7 +416,7 @@ def flat_sizes(sizes: dict) -> tuple[list, str]:
 
 def read_sizes(values: list, spec: str) -> dict:
     """The sizes :func:`flat_sizes` flattened, read back from its ``values`` and ``spec``
-    (the one encoding of sizes as ints: size exchanges and row routes use it)."""
+    (the one encoding of sizes as ints: size gathers and row routes use it)."""
     out: dict = {}
     at = 0
     for part in filter(None, spec.split(",")):

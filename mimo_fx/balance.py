@@ -59,9 +59,9 @@ sequence. In units of one token's linear work, ``b = 2h / 24h^2 = 1 / (12h)``: t
 quadratic term equals the linear one at ``L = 12h = 49,152`` tokens. Use ``1 / (12 * h)``
 for another width."""
 
-IMPROVE_ROUNDS = 64  # exchanges out of the busiest bin, at most (see _Bins.improve)
-PAIR_LIMIT = 32  # a bin of at most this many items also exchanges pairs of them
-PARTNERS = 16  # the lightest bins the busiest one tries exchanges with, per round
+IMPROVE_ROUNDS = 64  # swaps out of the busiest bin, at most (see _Bins.improve)
+PAIR_LIMIT = 32  # a bin of at most this many items also swaps pairs of them
+PARTNERS = 16  # the lightest bins the busiest one tries swaps with, per round
 
 
 # -- the assignment ----------------------------------------------------------------------
@@ -201,7 +201,7 @@ class _Bins:
     def improve(self, rounds: int) -> None:
         """Up to ``rounds`` times, lower the busiest bin (the lowest of equals) by moving
         one or two of its items to a lighter bin, or swapping them for cheaper ones there
-        (:meth:`_groups`): the exchange that leaves the pair's larger load smallest, tried
+        (:meth:`_groups`): the swap that leaves the pair's larger load smallest, tried
         against the :data:`PARTNERS` lightest bins from the lightest up. Every change
         lowers the sorted loads lexicographically, so the pass ends; it stops early when
         no change helps or the busiest bin is at the lower bound."""
@@ -214,7 +214,7 @@ class _Bins:
                 return
 
     def _improve_bin(self, top: int) -> bool:
-        """One exchange lowering bin ``top``; whether one was found."""
+        """One swap lowering bin ``top``; whether one was found."""
         others = heapq.nsmallest(PARTNERS, (b for b in range(len(self.load)) if b != top),
                                  key=lambda b: (self.load[b], b))
         mine = self._groups(top, empty=False)
@@ -236,7 +236,7 @@ class _Bins:
         return False
 
     def _groups(self, b: int, empty: bool) -> list[tuple[float, tuple[int, ...]]]:
-        """What bin ``b`` may give in an exchange, by cost: each item, each pair of
+        """What bin ``b`` may give in a swap, by cost: each item, each pair of
         items while the bin holds at most :data:`PAIR_LIMIT`, and nothing (``empty``)."""
         items = self.items[b]
         out: list[tuple[float, tuple[int, ...]]] = [(0.0, ())] if empty else []
@@ -250,7 +250,7 @@ class _Bins:
     def _best_change(self, mine: list, b: int, gap: float, top: int
                      ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """Of ``mine`` (bin ``top``'s groups) and of bin ``b``'s (or nothing), the two
-        whose exchange shifts ``d`` of cost, ``0 < d < gap`` and closest to ``gap / 2``
+        whose swap shifts ``d`` of cost, ``0 < d < gap`` and closest to ``gap / 2``
         (both bins then below ``top``'s load), within capacity."""
         theirs = self._groups(b, empty=True)
         keys = [c for c, _ in theirs]

@@ -169,7 +169,7 @@ def test_unchecked_mistake_raises_on_its_rank_before_any_collective(scenarios, n
 
 @pytest.mark.parametrize("name, words", [
     ("learned_replicas_disagree", ["ranks 0 and 1 hold the same shard of 's'", "16 and 8"]),
-    ("learned_none_on_holder", ["the size exchange found", "rank 2 holds a piece of src",
+    ("learned_none_on_holder", ["the size gather found", "rank 2 holds a piece of src",
                                 "passed None"]),
     ("learned_dtype", ["rank 3 passed a tensor of another dtype than torch.float32"]),
     ("checked_given_disagree", ["the ranks made different calls",

@@ -534,7 +534,7 @@ def _mistakes(rank, Redistributor):
         list(range(images.n_rows)))  # another batch of as many images
     wide = torch.zeros(len(mine), H + 1, dtype=torch.float64) if mine is not None else None
     out = {
-        # the size exchange (t is learned) shows every rank's mistakes to every rank
+        # the size gather (t is learned) shows every rank's mistakes to every rank
         "width": _raises(lambda: redistribute(
             torch.zeros(counts[rank], H + 1, dtype=torch.float64) if rank < 3 else None,
             ENC, images, h=H, dtype=torch.float64)),
@@ -600,7 +600,7 @@ def test_mistakes_raise_before_any_collective_or_on_every_rank(gloo_world):
         assert m["width"] and all(f"rank {s}: local tensor has shape" in m["width"]
                                   for s in range(3)), m["width"]
         assert m["not_src"] and "rank 3 holds no piece of src" in m["not_src"], m["not_src"]
-        # (the call's size exchange sees them first: a row bridge's sizes vary per call)
+        # (the call's size gather sees them first: a row bridge's sizes vary per call)
         assert m["checked_width"] and "rank 1: local tensor has shape" in m["checked_width"]
         assert m["checked_dtype"] and "rank 0" in m["checked_dtype"] \
             and "dtype" in m["checked_dtype"], m["checked_dtype"]

@@ -22,8 +22,8 @@ from threads import run_programs
 from mimo_fx import Grid, Layout
 from mimo_fx.compiled import lowering
 from mimo_fx.reference import shard
-from mimo_fx.templates import Template
 from mimo_fx.symbolic import Expr, Undecided, known_ge, smax
+from mimo_fx.templates import Template
 
 EVEN = [c for c in CASES if "uneven" not in c.tags]
 COUNT_FREE = [c for c in RAGGED if c.count_free]

@@ -9,8 +9,8 @@ values and gradients are compared with full-tensor math (the oracle, ``shard``).
   with nothing to move posts nothing (the journal lists each op with its messages).
 - A bridge whose plans move nothing returns a view of its input (no copy, the same
   storage) and passes the gradient through.
-- A bridge with free dims whose calls give every size exchanges size rows on its first
-  call and not again while the sizes stay the same; a new size exchanges again.
+- A bridge with free dims whose calls give every size gathers size rows on its first
+  call and not again while the sizes stay the same; a new size gathers again.
 - ``start()`` posts the transfer; ``wait()`` gives the same result and gradient as a
   plain call, with compute in between.
 """
@@ -95,7 +95,7 @@ def _identity(rank: int) -> dict:
 
 
 def _given_sizes(rank: int) -> dict:
-    """Calls of a bridge with b free, every call giving b: size exchanges counted."""
+    """Calls of a bridge with b free, every call giving b: size gathers counted."""
     from mimo_fx.compiled import Redistributor, trace
 
     src, dst = Layout(Grid(tp=2, dp=4), "(dp b) s h"), Layout(Grid(tp=4, dp=2), "(dp b) s h")

@@ -76,7 +76,7 @@ SKEW = ("documents", "documents", "interleaved", "interleaved", "captions", "cap
 @dataclass(frozen=True)
 class BalancedConfig:
     samples: int = 3          # per loader and step
-    width: int = 64           # int64 values per loader in the sample exchange
+    width: int = 64           # int64 values per loader in the sample gather
     tokens_per_tile: int = 2  # (576 in a real vision tower; small here)
     features: int = 6         # per image token (patch), into the encoder
     enc_hidden: int = 8
@@ -241,7 +241,7 @@ def loss_fn(cfg: BalancedConfig, p: dict, patches, text_ids, targets, img_pos, t
 
 def _placement(cfg: BalancedConfig, step: int, rank: int, counts: dict
                ) -> tuple[LoaderBatch, Placement]:
-    """This rank's loader batch and the step's placement, after the one exchange."""
+    """This rank's loader batch and the step's placement, after the one sample gather."""
     mine = loader_batch(cfg, step, LOADERS.coord(rank)["dp"])
     shared = share_samples(mine.samples, LOADERS, width=cfg.width)  # one all-gather
     counts["gathers"] += 1
@@ -300,7 +300,7 @@ def train_balanced(rank: int, steps: int, backend: str, lr: float, say=None) -> 
         ref, grad_diff, full = reference_step(full, reference_loss, global_batch(cfg, step),
                                               grads, lr)
         sync = 2 * (world - 1) * numel * 4 // world  # ring all-reduce of the gradients
-        gather = (world - 1) * cfg.width * 8  # the sample exchange (a ring all-gather)
+        gather = (world - 1) * cfg.width * 8  # the sample gather (a ring all-gather)
         rows.append(step_row(step, float(loss.detach()), float(ref.detach()), grad_diff,
                              r.sent + sync + gather, elapsed))
         rows[-1].update(gathers=counts["gathers"] - before, gather_bytes=gather,

@@ -347,12 +347,12 @@ def _balanced_summary(res: dict) -> str:
             f"naive -> {mean('enc balanced'):.2f}x balanced, LLM {mean('llm naive'):.2f}x "
             f"-> {mean('llm balanced'):.2f}x; bridges moved {format_bytes(mean('bytes naive'))}"
             f" naive, {format_bytes(mean('bytes balanced'))} balanced per step (all ranks, "
-            f"both ways); one sample exchange per step "
+            f"both ways); one sample gather per step "
             f"({format_bytes(rows[0]['gather_bytes'])} sent per rank)")
 
 
 def _check_balanced(res: dict) -> list[str]:
-    """One graph for every batch and placement; one sample exchange per step; the busiest
+    """One graph for every batch and placement; one sample gather per step; the busiest
     group nearer the mean than the naive placement's, for both modules."""
     out = []
     if res["backend"] != "eager" and res["graphs"] > 1:
@@ -360,7 +360,7 @@ def _check_balanced(res: dict) -> list[str]:
                    f"placement)")
     for r in res["rows"]:
         if r["gathers"] != 1:
-            out.append(f"balanced step {r['step']}: {r['gathers']} sample exchanges, not 1")
+            out.append(f"balanced step {r['step']}: {r['gathers']} sample gathers, not 1")
         for module in ("enc", "llm"):
             if not r[f"{module} balanced"] < r[f"{module} naive"]:
                 out.append(f"balanced step {r['step']}: {module} busiest/mean "

@@ -2,7 +2,7 @@
 
 Balanced placement (:func:`mimo_fx.placement.place`) needs every loader's samples -- how
 many text and image tokens, in which order -- on every rank, once per step, so that
-every rank computes the same placement. :func:`share_samples` is that exchange: one
+every rank computes the same placement. :func:`share_samples` is that sample gather: one
 ``all_gather`` of a fixed-width int64 row per rank (``8 * width`` bytes sent by each,
 ``8 * width * world`` received) over the default process group. A row that does not fit
 is flagged in the row itself, so every rank raises the same error after the gather
@@ -31,7 +31,7 @@ _NONE, _TOO_LONG = -1, -2  # a row's first value: no loader speaks here; did not
 
 def sample_rows(samples: Sequence[Sample] | None, loaders: Grid, rank: int,
                 width: int = WIDTH) -> torch.Tensor:
-    """This rank's row of the exchange: ``-1`` if it does not speak for a loader, ``-2``
+    """This rank's row of the sample gather: ``-1`` if it does not speak for a loader, ``-2``
     and the length needed if its samples do not fit ``width``, else their encoding.
 
     >>> from mimo_fx import Grid
@@ -85,7 +85,7 @@ def _decode(rows: list[list[int]], loaders: Grid, width: int
     if too_long:
         need = max(n for _, n in too_long)
         raise MimoFxError(f"the samples of rank(s) {[r for r, _ in too_long]} need {need} "
-                          f"int64 values in the exchange, more than width = {width}; pass "
+                          f"int64 values in the sample gather, more than width = {width}; pass "
                           f"share_samples(..., width={need}) (or more) on every rank")
     n = loaders.axis_size("dp") if "dp" in loaders.names else 1
     out: list[tuple[Sample, ...] | None] = [None] * n

@@ -14,7 +14,7 @@ token count (a constant every rank knows), so the summed gradient is the step's 
 for every module, whatever its DP size.
 
 Construction is collective over the whole world: every rank builds the same objects, in
-the same order, including ranks outside a module's grid. It first exchanges a short
+the same order, including ranks outside a module's grid. It first gathers a short
 report (one ``all_gather_object``) so that any rank's mistake -- a missing module, a
 typo in an axis name, replicas whose parameters differ -- raises the same
 :class:`MimoFxError` on every rank instead of leaving peers waiting in a collective.
@@ -146,7 +146,7 @@ def _describe(err: Exception) -> str:
     return str(err) if isinstance(err, MimoFxError) else f"{type(err).__name__}: {err}"
 
 
-def _exchange(report: dict[str, Any]) -> list[dict[str, Any]]:
+def _gather_reports(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's report, by rank (one all_gather_object over the world)."""
     import torch.distributed as dist
 
@@ -296,7 +296,7 @@ class GradSync:
             config = (tuple(grids.items()), self.axes, bucket_numel)
         except Exception as err:  # reported to every rank, so none waits for this one
             error = _describe(err)
-        reports = _exchange({"error": error, "config": config,
+        reports = _gather_reports({"error": error, "config": config,
                              "sigs": {n: _signature(ps) for n, ps in named.items()}})
         _agree("GradSync", reports)
         groups = []
@@ -322,9 +322,9 @@ class GradSync:
         """The grids from a MIMO config; ``modules`` maps its module names to this rank's
         modules (``None`` or absent where the rank does not run one)."""
         unknown = sorted(set(modules) - set(config.modules))
-        if unknown:  # raised on every rank: the others are in GradSync's exchange
+        if unknown:  # raised on every rank: the others are in GradSync's report gather
             _rank("GradSync")
-            _agree("GradSync", _exchange({
+            _agree("GradSync", _gather_reports({
                 "error": f"modules {unknown} are not in the config, whose modules are "
                          f"{list(config.modules)}", "config": None, "sigs": {}}))
         return cls({n: (modules.get(n), g) for n, g in config.grids().items()}, axes,
@@ -442,7 +442,7 @@ class TiedGrads:
         except Exception as err:  # reported to every rank, so none waits for this one
             error = _describe(err)
         named = [(str(i), p) for i, p in enumerate(mine or [])]
-        reports = _exchange({"error": error, "config": config,
+        reports = _gather_reports({"error": error, "config": config,
                              "sigs": {"tied": _signature(named)} if mine is not None else {}})
         _agree("TiedGrads", reports)
         self.grid, self.params = grid, tuple(mine or ())
