@@ -2,7 +2,7 @@
 
 ``worlds``: the spawned gloo worlds the multi-process tests share, one per (size,
 options), each process alive for the whole session and running one test module's
-function after another (:class:`mimo_fx.testing.Worlds`; tests/README.md says which
+function after another (:class:`mimo_fx.testing.SpawnedWorlds`; tests/README.md says which
 tests still spawn their own world and why). The terminal summary says how many worlds
 were spawned, how many functions each ran and what ended them.
 
@@ -19,11 +19,11 @@ import importlib
 
 import pytest
 
-from mimo_fx.testing import Worlds, touched
+from mimo_fx.testing import SpawnedWorlds, touched
 
 touched.track()  # with MIMO_FX_TRACK_CALLS=1 only
 
-_POOLS: list[Worlds] = []
+_POOLS: list[SpawnedWorlds] = []
 # the library modules imported here when doctest collection starts (imports by the test
 # modules) and when collection ends (the doctests import every module)
 _IMPORTED: dict[str, set[str]] = {}
@@ -35,7 +35,7 @@ def worlds():
     without the spawn when a world of that size and those options is already up."""
     # many ranks share few cores: Inductor compiles in each rank's own process, without
     # a pool of compile workers per rank (as test_invariant and test_variable_sizes set)
-    pool = Worlds(env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+    pool = SpawnedWorlds(env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
     _POOLS.append(pool)
     yield pool
     pool.close()

@@ -1,7 +1,7 @@
 """mimo_fx.testing: run_world's results by rank, and a failing rank reported as the cause
-rather than the peers that lost it; a World running many functions in the same
+rather than the peers that lost it; a SpawnedWorld running many functions in the same
 processes, each from the same state, torn down and spawned again after a function that
-raises, dies, hangs or ends its world; Worlds keeping at most so many processes."""
+raises, dies, hangs or ends its world; SpawnedWorlds keeping at most so many processes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mimo_fx import MimoFxError
-from mimo_fx.testing import World, WorldError, Worlds, run_world
+from mimo_fx.testing import SpawnedWorld, SpawnedWorlds, WorldError, run_world
 
 
 def _sum_of_ranks(rank: int, world: int, scale: int) -> int:
@@ -115,7 +115,7 @@ def test_a_hang_names_the_rank_and_where_it_is():
 
 @pytest.fixture(scope="module")
 def world():
-    with World(2, record=True, env={"GIVEN": "yes"}) as w:
+    with SpawnedWorld(2, record=True, env={"GIVEN": "yes"}) as w:
         yield w
 
 
@@ -153,7 +153,7 @@ def test_a_function_that_ends_its_world_retires_it(world):
 
 
 def test_worlds_keep_one_world_per_key_within_a_process_budget():
-    worlds = Worlds(max_processes=3, env={"GIVEN": "everywhere"})
+    worlds = SpawnedWorlds(max_processes=3, env={"GIVEN": "everywhere"})
     try:
         assert worlds.run(1, _state)[0]["env"]["GIVEN"] == "everywhere"
         assert worlds.run(1, _sum_of_ranks, 5) == [0]
@@ -172,4 +172,4 @@ def test_worlds_keep_one_world_per_key_within_a_process_budget():
     finally:
         worlds.close()
     with pytest.raises(MimoFxError, match="world=0: need at least one process"):
-        World(0)
+        SpawnedWorld(0)

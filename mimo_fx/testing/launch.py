@@ -2,7 +2,7 @@
 
 Used by the tests, the benchmarks and the end-to-end example: gloo on 127.0.0.1 (or
 NCCL with one GPU per rank). Spawning costs seconds, so callers spawn one world and run
-many checks in it (or keep a :class:`~mimo_fx.testing.World` to run many functions);
+many checks in it (or keep a :class:`~mimo_fx.testing.SpawnedWorld` to run many functions);
 each rank returns a picklable result. A world that does not finish in time is killed
 and reported, never left hanging; a rank that raises has its traceback re-raised in the
 parent.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .worlds import World, WorldError
+from .worlds import SpawnedWorld, WorldError
 
 __all__ = ["WorldError", "run_world"]
 
@@ -34,6 +34,6 @@ def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 3
     it returns; ``timeout`` covers the spawn. A run longer than :data:`PROGRESS`
     seconds prints to stderr how many ranks have started and finished, as that changes.
     """
-    with World(world, backend=backend, threads=threads, record=record, reuse=False,
+    with SpawnedWorld(world, backend=backend, threads=threads, record=record, reuse=False,
                progress=PROGRESS) as w:
         return w.run(fn, *args, timeout=timeout)

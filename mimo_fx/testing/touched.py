@@ -2,7 +2,7 @@
 
 The library is every module under the directories of ``mimo_fx``, ``mimo_fx.compiled``
 and ``mimo_fx.reference``, named by path (``compiled/bridge.py``). A module counts as
-*imported* when it is in ``sys.modules``; every process of a :class:`~.World` reports its
+*imported* when it is in ``sys.modules``; every process of a :class:`~.SpawnedWorld` reports its
 imported modules with each result, and the parent keeps their union (:data:`IN_WORLDS`).
 
 With ``MIMO_FX_TRACK_CALLS=1`` in the environment, :func:`track` also records the modules

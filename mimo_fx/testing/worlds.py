@@ -1,11 +1,11 @@
 """Local worlds of processes that stay alive and run one function after another.
 
 Spawning a world costs seconds (every process imports torch and joins the process
-group). A :class:`World` pays it once: each of its processes initialises its process
-group, then runs the functions submitted with :meth:`World.run` in turn, each as
+group). A :class:`SpawnedWorld` pays it once: each of its processes initialises its process
+group, then runs the functions submitted with :meth:`SpawnedWorld.run` in turn, each as
 ``fn(rank, size, *args)`` on every rank, and the results come back by rank.
-:class:`Worlds` keeps one World per key (size, backend, threads, record, env), for a test
-session; :func:`~mimo_fx.testing.run_world` is a World used once.
+:class:`SpawnedWorlds` keeps one per key (size, backend, threads, record, env), for a
+test session; :func:`~mimo_fx.testing.run_world` is a SpawnedWorld used once.
 
 Failures are reported, never left hanging, and end the world:
 
@@ -52,7 +52,7 @@ from mimo_fx.errors import MimoFxError
 
 from . import touched
 
-__all__ = ["World", "WorldError", "Worlds"]
+__all__ = ["SpawnedWorld", "WorldError", "SpawnedWorlds"]
 
 FR_ENV = "TORCH_FR_BUFFER_SIZE"  # Flight Recorder, read by mimo_fx.compiled.trace
 FR_ENTRIES = "20000"
@@ -143,7 +143,7 @@ def _serve_one(rank: int, size: int, conn: Connection, baseline: _Baseline | Non
         # every rank done before any goes on: a peer still creating a group (non-members
         # return from new_group early) needs the store, and the next function its peers
         dist.barrier()
-        why = "a World(reuse=False) runs one function" if baseline is None else \
+        why = "a SpawnedWorld(reuse=False) runs one function" if baseline is None else \
             baseline.restore()
     _send(conn, ("ok", result, why, touched.report()))
     return not why
@@ -310,7 +310,7 @@ def _failure(size: int, errors: list[tuple[int, str, float]], died: dict[int, in
     return WorldError(message + "".join(f"\n  {n}" for n in notes))
 
 
-class World:
+class SpawnedWorld:
     """``size`` processes (gloo on 127.0.0.1, or NCCL with one GPU per rank) that run
     the functions given to :meth:`run` one after another; spawned on the first call and
     again after a failure.
@@ -346,7 +346,7 @@ class World:
         """Whether the world's processes are up (it spawns them on the next run if not)."""
         return bool(self._processes) and all(p.is_alive() for p in self._processes)
 
-    def __enter__(self) -> World:
+    def __enter__(self) -> SpawnedWorld:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -473,7 +473,7 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
 
 
-def _close(worlds: list[World], kill: bool = False) -> None:
+def _close(worlds: list[SpawnedWorld], kill: bool = False) -> None:
     """Close several worlds at once: every process is told first, then each is waited for."""
     for world in worlds:
         for conn in world._conns:
@@ -493,7 +493,7 @@ def _close(worlds: list[World], kill: bool = False) -> None:
         world._processes, world._conns, world._dir = [], [], ""
 
 
-_OPEN: weakref.WeakSet[World] = weakref.WeakSet()
+_OPEN: weakref.WeakSet[SpawnedWorld] = weakref.WeakSet()
 
 
 @atexit.register  # before multiprocessing's own exit handler, which joins the processes
@@ -504,8 +504,8 @@ def _close_all() -> None:
 Key = tuple[int, str, int, bool, tuple[tuple[str, str], ...]]
 
 
-class Worlds:
-    """One :class:`World` per (size, backend, threads, record, env), kept for reuse.
+class SpawnedWorlds:
+    """One :class:`SpawnedWorld` per (size, backend, threads, record, env), kept for reuse.
 
     ``env`` here is set in every world's processes, under what each call adds. At most
     ``max_processes`` processes stay alive (``MIMO_FX_WORLD_PROCESSES``, 16 by default):
@@ -520,14 +520,14 @@ class Worlds:
             max_processes = int(os.environ.get("MIMO_FX_WORLD_PROCESSES", "16"))
         self.max_processes = max_processes
         self.env = dict(env or {})
-        self._worlds: OrderedDict[Key, World] = OrderedDict()
+        self._worlds: OrderedDict[Key, SpawnedWorld] = OrderedDict()
 
     def world(self, size: int, *, backend: str = "gloo", threads: int = 1,
-              record: bool = False, env: Mapping[str, str] | None = None) -> World:
+              record: bool = False, env: Mapping[str, str] | None = None) -> SpawnedWorld:
         """The world for these options (spawned on its first run)."""
         key: Key = (size, backend, threads, record, tuple(sorted((env or {}).items())))
         if key not in self._worlds:
-            self._worlds[key] = World(size, backend=backend, threads=threads, record=record,
+            self._worlds[key] = SpawnedWorld(size, backend=backend, threads=threads, record=record,
                                       env={**self.env, **(env or {})})
         self._worlds.move_to_end(key)
         return self._worlds[key]
@@ -543,7 +543,7 @@ class Worlds:
             self._make_room(world)
         return world.run(fn, *args, timeout=timeout)
 
-    def _make_room(self, new: World) -> None:
+    def _make_room(self, new: SpawnedWorld) -> None:
         live = [w for w in self._worlds.values() if w.alive and w is not new]  # oldest first
         live.sort(key=lambda w: w.size)  # (stable: oldest first within a size)
         excess = sum(w.size for w in live) + new.size - self.max_processes
