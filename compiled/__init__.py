@@ -25,11 +25,11 @@ from .groups import live_groups
 from .guard import raise_now
 from .lease import require_world
 from .options import OPTION_NAMES, Options
-from .redistributor import Redistributor, backward
+from .redistributor import Redistributor, backward, joined
 from .rows import key_of
 
 __all__ = ["Redistributor", "prepare", "redistribute", "destroy", "live_groups",
-           "CompiledExecutor", "OPTIONS", "Options", "backward"]
+           "CompiledExecutor", "OPTIONS", "Options", "backward", "joined"]
 
 OPTIONS = ("sizes", *OPTION_NAMES)
 

@@ -56,4 +56,6 @@ def named(name: str) -> Any:
 
 def bridges() -> list[Any]:
     """Every live bridge (their traced handles), in the order they were built."""
-    return [b for b in (ref() for ref in list(BRIDGES.values())) if b is not None]
+    # (no generator: joined() reads it under torch.compile, where Dynamo cannot trace one)
+    found = [ref() for ref in list(BRIDGES.values())]
+    return [b for b in found if b is not None]

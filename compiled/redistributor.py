@@ -47,7 +47,7 @@ from .sizing import CACHED_SIZES, CALL_OPTIONS, _size_key, flat_sizes, read_size
 from .timeouts import cause, wait_time
 
 __all__ = ["Redistributor", "Pending", "CALL_OPTIONS", "CACHED_SIZES", "placeholder",
-           "backward"]
+           "backward", "joined"]
 
 LOG = logging.getLogger("mimo_fx")
 
@@ -84,6 +84,8 @@ class Redistributor:
     """
 
     _agreed: tuple | None  # the last size gather: (this rank's row, rows, sizes)
+    source_result: torch.Tensor | None  # (see joined)
+    source_results_in_transform: list[torch.Tensor]
 
     def __init__(self, src: Layout, dst: Layout, sizes: dict | None = None,
                  dtype=torch.float32, *, grad_partial=(), comm_dtype=None,
@@ -113,8 +115,8 @@ class Redistributor:
         self.lease = Lease(f"this bridge {src.describe()!r} -> {dst.describe()!r}",
                            (), tagged + checks)
         self.source_only = self.involved and not dst.holds(self.rank)
-        # a source-only rank's last result while its backward (mimo_fx.backward) is due
-        self.source_result: torch.Tensor | None = None
+        # a source-only rank's results awaiting joined(): the last call's, or a transform's
+        self.source_result, self.source_results_in_transform = None, []
         self.described, self.ran = self._context().rstrip(": "), Counter[str]()  # timeouts
         self._traced_handle = _traced_handle(self)  # (registers the bridge by its name)
         # dropped without destroy(): its groups (and the threads and sockets they hold)
@@ -351,12 +353,16 @@ class Redistributor:
         return self._keep(y)
 
     def _keep(self, y: torch.Tensor) -> torch.Tensor:
-        if self.source_only and y.requires_grad and not _in_transform():
-            if not torch.compiler.is_compiling():
-                self._warn_forgotten_backward()
-            # a source-only rank: its backward runs in mimo_fx.backward() (an attribute
-            # the bridge was built with: a compiled step guards on no new state)
-            self.source_result = y
+        if not (self.source_only and y.requires_grad):
+            return y
+        # a source-only rank: its backward runs through joined (mimo_fx.backward);
+        # attributes the bridge was built with (a compiled step guards on no new state)
+        if _in_transform():
+            self.source_results_in_transform.append(y)
+            return y
+        if not torch.compiler.is_compiling():
+            self._warn_forgotten_backward()
+        self.source_result = y
         return y
 
     def _warn_forgotten_backward(self) -> None:
@@ -459,6 +465,7 @@ class Redistributor:
             self.lease.release()
             self.sizing.forget()
             self.source_result = None
+            self.source_results_in_transform.clear()
             live.forget(self.name, self._traced_handle)  # (its name, or slot, is free)
 
 
@@ -514,16 +521,16 @@ __all__ += ["HEADER_LEN"]
 
 
 def backward(loss: torch.Tensor | None = None) -> None:
-    """This rank's backward of a step: ``loss.backward()`` where it has a loss, together
-    with the backward of every bridge call whose result this rank does not hold (on a
-    source-only rank, an encoder on ranks of its own, the only way its part of those
-    backwards runs). Every rank calls it once per step; a rank without a loss passes
-    nothing. Eager or after a compiled step, the same call. It covers each bridge's last
-    call (several calls of one bridge before their backwards: backpropagate through
-    their results yourself); a result whose backward already ran is not run again. A
-    source-only rank that calls a bridge again before the last call's backward ran warns
-    at that call."""
-    pending = _awaiting_backward()
+    """This rank's backward of a step, ``joined(loss).backward()``: ``loss.backward()``
+    where it has a loss, together with the backward of every bridge call whose result
+    this rank does not hold (on a source-only rank, an encoder on ranks of its own, the
+    only way its part of those backwards runs). Every rank calls it once per step; a rank
+    without a loss passes nothing. Eager or after a compiled step, the same call. It
+    covers each bridge's last call (several calls of one bridge before their backwards:
+    backpropagate through their results yourself); a result whose backward already ran
+    is not run again. A source-only rank that calls a bridge again before the last
+    call's backward ran warns at that call."""
+    pending = _awaiting_backward()  # (joined's, with contiguous zero cotangents)
     tensors = ([loss] if loss is not None else []) + pending
     grads = ([torch.ones_like(loss)] if loss is not None else []) + [
         torch.zeros_like(t) for t in pending]
@@ -531,11 +538,42 @@ def backward(loss: torch.Tensor | None = None) -> None:
         torch.autograd.backward(tensors, grads)
 
 
-def _awaiting_backward() -> list[torch.Tensor]:
-    """The source-only results whose backward has not run (this rank ran fewer
-    backwards than forwards of their bridge), taken off their bridges."""
-    out = []
-    for bridge in live.bridges():
+def joined(loss: torch.Tensor | None = None, bridges=None) -> torch.Tensor | None:
+    """``loss`` plus zero times every bridge result this rank holds no dst piece of and
+    whose backward has not run, taken off the bridges: differentiating it runs this
+    rank's part of those bridges' backwards (a source-only rank -- an encoder on ranks of
+    its own -- has no other path to them). None where there is neither.
+
+    The one way for source-only ranks. Under autograd, ``mimo_fx.backward(loss)`` is
+    ``joined(loss).backward()``. Inside a ``torch.func`` transform, return
+    ``joined(loss)`` from the differentiated function: it joins every call made inside
+    the transform (whose tensors must not outlive it); pass such a rank a differentiated
+    empty tensor as its input instead of None (``ProcessWorld.begin(anchor)``), since a
+    transform differentiates only its arguments. Outside a transform it joins each
+    bridge's last call. ``bridges``: only these (default: every live bridge)."""
+    pending = _awaiting_backward(bridges)
+    if not pending:
+        return loss
+    total = loss if loss is not None else pending[0].new_zeros(())
+    for t in pending:
+        total = total + t.sum() * 0
+    return total
+
+
+def _awaiting_backward(bridges=None) -> list[torch.Tensor]:
+    """The source-only results whose backward has not run, taken off their bridges:
+    inside a ``torch.func`` transform, those of calls made in it; outside one, each
+    bridge's last (if this rank ran fewer backwards than forwards of it), and results
+    a transform left behind are dropped (their transform is over)."""
+    out: list[torch.Tensor] = []
+    inside = _in_transform()
+    for bridge in (live.bridges() if bridges is None else bridges):
+        kept = bridge.source_results_in_transform
+        if inside:
+            out.extend(kept)
+            kept.clear()
+            continue
+        kept.clear()
         y, bridge.source_result = bridge.source_result, None
         if y is not None and (timeouts.calls(bridge.name, "forward")
                               > timeouts.calls(bridge.name, "backward")):

@@ -142,8 +142,9 @@ def failed(site_: str, kind, err: BaseException, peer: int | None = None) -> Mim
     # (this rank's own state: its peer gone or not)
     if bridge is not None and bridge.source_only and forward > backward:
         why += (f"; this rank holds no dst piece and ran {forward} forward but {backward} "
-                f"backward calls: its backward runs in mimo_fx.backward(), which it may "
-                f"have skipped")
+                f"backward calls: its backward runs in mimo_fx.backward() (inside a "
+                f"torch.func transform: return mimo_fx.joined(loss)), which it may have "
+                f"skipped")
     described = name if bridge is None else bridge.described
     return MimoFxError(
         f"{described}: the {direction} of call {n} failed in {kind} over "

@@ -26,8 +26,9 @@ class ProcessWorld:
     a step differentiated on a process world is bracketed by :meth:`begin` and
     :meth:`end`: ``begin(anchor)`` names a tensor being differentiated (any parameter
     piece) from which inputs-less bridge calls take their empty input, and
-    ``end(loss)`` adds zero times every empty output of the step to the loss. Both are
-    pure tensor ops, so the step stays traceable.
+    ``end(loss)`` is :func:`mimo_fx.joined` over the world's bridges (the one way for
+    source-only ranks: zero times every output of the step this rank holds no dst piece
+    of, added to the loss). Both are pure tensor ops, so the step stays traceable.
     """
 
     def __init__(self, dtype=torch.float32, vary: tuple[str, ...] = ()) -> None:
@@ -37,7 +38,6 @@ class ProcessWorld:
         self.vary = tuple(vary)  # dims whose sizes change from step to step
         self._bridges: dict = {}
         self._anchor: torch.Tensor | None = None
-        self._dangling: list[torch.Tensor] = []
         # set to [] to record eager calls (the bytes a step moves, see bytes_sent)
         self.calls: list[tuple[Any, dict, bool]] | None = None
 
@@ -57,14 +57,16 @@ class ProcessWorld:
     def begin(self, anchor: torch.Tensor | None = None) -> None:
         """Start a step; ``anchor``: a tensor the step is differentiated with respect to."""
         self._anchor = anchor
-        self._dangling = []
 
     def end(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` joined (with weight zero) to the step's empty bridge outputs."""
-        for t in self._dangling:
-            loss = loss + t.sum() * 0
-        self._anchor, self._dangling = None, []
-        return loss
+        """``loss`` joined (with weight zero) to the step's source-only bridge outputs
+        (:func:`mimo_fx.joined` over this world's bridges)."""
+        from .redistributor import joined
+
+        self._anchor = None
+        out = joined(loss, list(self._bridges.values()))
+        assert out is not None  # (loss is a tensor)
+        return out
 
     def redistribute(self, pieces, src: Layout, dst: Layout, *, grad_partial=(), **sizes):
         bridge = self.bridge(src, dst, sizes, grad_partial)
@@ -79,9 +81,7 @@ class ProcessWorld:
         if y is None:
             return {}
         if not dst.holds(self.rank):
-            if y.requires_grad:
-                self._dangling.append(y)
-            return {}
+            return {}  # (the bridge keeps y for end: see mimo_fx.joined)
         return {self.rank: y}
 
     def bytes_sent(self, sizes: dict | None = None, calls: list | None = None) -> int:

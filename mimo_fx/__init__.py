@@ -20,7 +20,7 @@ except PackageNotFoundError:  # run from a source tree that is not installed
 
 __all__ = ["__version__", "Collective", "Grid", "Layout", "MimoFxError", "Plan", "RankPlan",
            "backward_plan", "plan", "plan_for_rank", "redistribute",
-           "redistribute_dtensor", "backward"]  # the last two imported on first use
+           "redistribute_dtensor", "backward", "joined"]  # the last three imported on first use
 
 _SUBPACKAGES = ("compiled", "reference", "mimo", "interop", "testing")
 
@@ -34,8 +34,8 @@ def __getattr__(name: str):
         return importlib.import_module(f"{__name__}.{name}")
     if name == "redistribute_dtensor":  # DTensor's entry point, imported on first use
         return importlib.import_module(f"{__name__}.interop.dtensor").redistribute_dtensor
-    if name == "backward":  # a step's backward, source-only bridge calls included
-        return importlib.import_module(f"{__name__}.compiled").backward
+    if name in ("backward", "joined"):  # a step's backward, source-only calls included
+        return getattr(importlib.import_module(f"{__name__}.compiled"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -205,6 +205,52 @@ def _forgotten_backward(rank: int, size: int) -> dict:
     return out
 
 
+def _joined_in_torch_func(rank: int, size: int) -> dict:
+    """ENC -> LLM differentiated with ``torch.func.grad``, eager and compiled, two steps
+    each: ranks 0-1 hold no dst piece and return ``mimo_fx.joined(loss)``, the one way
+    for source-only ranks; every rank's gradient against full-tensor math."""
+    import mimo_fx
+    from mimo_fx.compiled import Redistributor
+
+    X = _full() / 8
+    W = 1 + torch.arange(16.0).reshape(4, 4) / 16   # ranks 0-1: y = x * w is sent
+    V = 2 - torch.arange(16.0).reshape(4, 4) / 32   # ranks 2-3: loss = sum(y * v)
+    bridge = Redistributor(ENC, LLM, SIZES)
+    src = rank in ENC.grid
+    x = shard(X, ENC).get(rank)
+
+    def loss_fn(w):
+        if src:
+            y = bridge(x * w)
+            return mimo_fx.joined(w.sum() * 0)  # y: this rank's empty result, joined
+        y = bridge(w.reshape(-1)[:0].reshape(0, 0))  # a differentiated empty input
+        return mimo_fx.joined((y * w).sum())
+
+    w = shard(W, ENC)[rank] if src else shard(V, LLM)[rank]
+    want = shard(X * V, ENC)[rank] if src else shard(X * W, LLM)[rank]
+    out = {}
+    for name, fn in (("eager", torch.func.grad(loss_fn)),
+                     ("aot_eager", torch.compile(torch.func.grad(loss_fn), backend="aot_eager",
+                                                 fullgraph=True))):
+        for step in range(2):
+            got = fn(w.clone())
+            out[name, step] = bool(torch.allclose(got, want, atol=1e-6)) and \
+                not bridge.source_results_in_transform and bridge.source_result is None
+    bridge.destroy()
+    return out
+
+
+@pytest.mark.slow
+def test_source_only_ranks_join_their_results_inside_torch_func(worlds):
+    """``mimo_fx.joined`` inside a ``torch.func`` transform: the source-only ranks'
+    part of the bridge's backward runs (without it the LLM ranks would wait for theirs
+    until the timeout, and ranks 0-1 get zero gradients), and every gradient is the
+    oracle's; nothing is left on the bridge after the step."""
+    results = worlds.run(4, _joined_in_torch_func, timeout=600)
+    want = {(name, step): True for name in ("eager", "aot_eager") for step in range(2)}
+    assert results == [want] * 4, results
+
+
 @pytest.mark.slow
 def test_a_forgotten_backward_is_said_at_the_next_call(worlds):
     """A rank without a dst piece that calls a bridge again after dropping the previous
