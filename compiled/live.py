@@ -1,11 +1,11 @@
 """The live bridges of this process, by name: the one registry of bridge state.
 
-A bridge's state -- its groups, guard, sizing, call counters, description, its last
-source-only result -- lives on the bridge object. Code that meets only a bridge's name
+A bridge's state -- its groups, guard, sizing, call counters, description, its
+source-only results -- lives on the bridge object. Code that meets only a bridge's name
 finds the bridge here: a compiled call (which must reach its bridge through a global,
 see :func:`find`), a compiled graph's size gather (its op takes the name, a
 constant), a collective's completion or failure (its site string begins with the name,
-see :mod:`.timeouts`) and :func:`mimo_fx.backward` (every bridge's source-only result).
+see :mod:`.timeouts`) and :func:`mimo_fx.joined` (every bridge's source-only results).
 
 Weak: the registry holds a weak reference to each bridge's traced handle (a second
 object sharing the bridge's state, see :func:`.redistributor._traced_handle`); a bridge

@@ -626,7 +626,7 @@ def _gather_sizes_impl(row: torch.Tensor, known, batch, bridge: str, spec: str) 
 
 
 def _gather_sizes_eager(self: Redistributor, row: torch.Tensor, known, batch,
-                    spec: str) -> tuple[torch.Tensor, dict]:
+                        spec: str) -> tuple[torch.Tensor, dict]:
     """:func:`_gather_sizes_impl`'s rows, and every size they give."""
     known = [int(v) for v in known]
     mine = fold_call(row.clone(), known, spec, batch)
