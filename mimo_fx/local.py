@@ -101,7 +101,7 @@ def infer_sizes(
     """Global dim sizes from local shapes, ``given`` first.
 
     With every shard's shape at hand (the reference backend, or the shapes a call's
-    size gather gathers) uneven splits are inferred exactly, and a ragged dim's counts
+    size gather collects) uneven splits are inferred exactly, and a ragged dim's counts
     (one per shard); from one rank's shape a sharded dim is taken as evenly split. A
     group flattening several dims needs all but one of them given. Replicas of one
     shard must agree: a rank whose shape differs is named. ``check(ok, message)``
