@@ -20,6 +20,7 @@ from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
 from mimo_fx.plan import size_arguments
 
+from . import live
 from .executor import CompiledExecutor
 from .groups import live_groups
 from .guard import raise_now
@@ -32,11 +33,6 @@ __all__ = ["Redistributor", "prepare", "redistribute", "destroy", "live_groups",
            "CompiledExecutor", "OPTIONS", "Options", "backward", "joined"]
 
 OPTIONS = ("sizes", *OPTION_NAMES)
-
-# the one cache of bridges: mimo_fx.redistribute, prepare, DTensor interop and the SPMD
-# process world all take their bridges from here
-_PREPARED: dict[tuple, Redistributor] = {}
-
 
 def prepare(src: Layout, dst: Layout, sizes: dict | None = None, dtype=torch.float32, *,
             grad_partial=(), comm_dtype=None, checked: bool = False,
@@ -56,7 +52,9 @@ def bridge_for(src: Layout, dst: Layout, opts: Options, sizes: dict | None = Non
     # they may be symbolic, so they could not be a key); a packed layout's batch neither:
     # its structure is the key
     key = (key_of(src), key_of(dst), opts)
-    bridge = _PREPARED.get(key)
+    # the one cache of prepared bridges, in the bridge registry: mimo_fx.redistribute,
+    # prepare, DTensor interop and the SPMD process world all take their bridges there
+    bridge = live.prepared(key)
     if bridge is None or not bridge.lease.live:
         if torch.compiler.is_compiling():
             raise_now(
@@ -64,9 +62,9 @@ def bridge_for(src: Layout, dst: Layout, opts: Options, sizes: dict | None = Non
                 f"call mimo_fx.compiled.prepare(src, dst, dtype=...) on every rank before "
                 f"compiling (or use a Redistributor); src {src.describe()!r}, dst "
                 f"{dst.describe()!r}")
-        bridge = _PREPARED[key] = Redistributor(
+        bridge = live.keep(key, Redistributor(
             src, dst, sizes, opts.dtype, grad_partial=opts.grad_partial,
-            comm_dtype=opts.comm_dtype, checked=opts.checked, device=opts.device)
+            comm_dtype=opts.comm_dtype, checked=opts.checked, device=opts.device))
     elif sizes and size_arguments(src, dst, sizes, {}, where, OPTIONS) != bridge.fixed:
         raise MimoFxError(f"{where}: {src.describe()!r} -> {dst.describe()!r} is already "
                           f"prepared with sizes {bridge.fixed}, not {sizes}; call "
@@ -97,9 +95,8 @@ def redistribute(x: torch.Tensor | None, src: Layout, dst: Layout, *, sizes=None
 
 def destroy() -> None:
     """Destroy every bridge :func:`prepare` made; idempotent."""
-    for bridge in _PREPARED.values():
+    for bridge in live.drop_kept():
         bridge.destroy()
-    _PREPARED.clear()
 
 
 from .bridge import Bridge  # noqa: E402  (a Redistributor subclass)

@@ -28,12 +28,12 @@ import torch.distributed as dist
 
 from mimo_fx.errors import MimoFxError
 
+from .groups import POOL
 from .timeouts import timeout_seconds, wait_time
 
 __all__ = ["agree", "PREFIX"]
 
 PREFIX = "mimo_fx/agree"
-_SEQ: list = [None, 0]  # (the default group the count is for, builds agreed in it)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -47,10 +47,11 @@ def agree(name: str, fields: Mapping[str, str], what: str) -> None:
     bridge creates any group."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    if _SEQ[0] is not dist.group.WORLD:  # a new world: counted afresh
-        _SEQ[0], _SEQ[1] = dist.group.WORLD, 0
+    world, seq = POOL.agreed  # (the default group, bridges agreed in it)
+    if world is not dist.group.WORLD:  # a new world: counted afresh
+        world, seq = dist.group.WORLD, 0
     store = dist.distributed_c10d._get_default_store()
-    n, rank, seq = dist.get_world_size(), dist.get_rank(), _SEQ[1]
+    n, rank = dist.get_world_size(), dist.get_rank()
     rounds = f"{PREFIX}/{seq}/rounds"
     round_ = store.add(rounds, 0)
     base = f"{PREFIX}/{seq}/{round_}"
@@ -78,7 +79,7 @@ def agree(name: str, fields: Mapping[str, str], what: str) -> None:
             f"{timeout_seconds():g} s for it and given up ({wait_time()}). Every rank of "
             f"the world builds every bridge, in the same order")
     records = [json.loads(v) for v in store.multi_get([f"{base}/{r}" for r in range(n)])]
-    _SEQ[1] = seq + 1
+    POOL.agreed = (world, seq + 1)
     if store.add(f"{base}/read", 1) == n:  # every rank has read: the records can go
         for key in [f"{base}/{r}" for r in range(n)] + [f"{base}/count", state,
                                                        f"{base}/read", rounds]:

@@ -211,30 +211,52 @@ def _exchanged(flats, out_splits, in_splits) -> list[torch.Tensor]:
 # that exchange data: a rank with nothing to send or receive returns at once. Messages
 # pair per (sender, receiver, process group) in posting order, and every member posts an
 # op's messages in program order, so they pair as the collective's parts would.
-# group name -> (process group, coalesce, its global ranks)
-_BACKENDS: dict[str, tuple[Any, bool, tuple[int, ...]]] = {}
+RECORD_ENV = "TORCH_FR_BUFFER_SIZE"  # recording on: Flight Recorder, and the journal
+JOURNAL_KEPT = 20000
+
+
+class Messages:
+    """What this process keeps for the ops it runs as messages, in one place: the
+    process groups by name (``groups``: name -> (process group, coalesce, its global
+    ranks)); the rank at the other end of each posted message until it is waited for
+    (``peers``: a failed wait names the rank that left, or never came); and, when
+    recording, the journal of ops run (``journal``, newest last: (time ns, kind, group
+    ranks, elements in, elements out, ((peer, elements) sent), ((peer, elements)
+    received)); read by :mod:`.trace`, since Flight Recorder does not see gloo's
+    messages) with ``journaled``, the number ever journaled (the oldest kept is number
+    ``journaled - len(journal)``)."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, tuple[Any, bool, tuple[int, ...]]] = {}
+        self.peers: dict[int, int] = {}
+        self.journal: deque[tuple] = deque(maxlen=JOURNAL_KEPT)
+        self.journaled = 0
+
+
+MESSAGES = Messages()
 
 
 def _group(name: str) -> tuple[Any, bool, tuple[int, ...]]:
     """The process group registered under ``name``; whether its messages must be posted
     together (NCCL pairs a send with its receive only inside one group call; gloo posts
     each message as it comes); its members' global ranks."""
-    entry = _BACKENDS.get(name)
+    known = MESSAGES.groups
+    entry = known.get(name)
     if entry is None or entry[0].group_name != name:
         import torch.distributed as dist
 
         pg = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
-        entry = _BACKENDS[name] = (pg, dist.get_backend(pg) != "gloo",
-                                   tuple(dist.get_process_group_ranks(pg)))
-        if len(_BACKENDS) > 4096:  # (names of destroyed groups are never used again)
-            _BACKENDS.clear()
+        if len(known) > 4096:  # (names of destroyed groups are never used again)
+            known.clear()
+        entry = known[name] = (pg, dist.get_backend(pg) != "gloo",
+                               tuple(dist.get_process_group_ranks(pg)))
     return entry
 
 
 def forget(name: str) -> None:
     """Forget a destroyed group (the cache would keep it, and its threads and sockets,
     alive)."""
-    _BACKENDS.pop(name, None)
+    MESSAGES.groups.pop(name, None)
 
 
 def _messages_gather(name: str) -> bool:
@@ -242,15 +264,6 @@ def _messages_gather(name: str) -> bool:
     all-gather is a ring through its worker thread (about 1.6x the messages' time on 8
     processes); other backends' own all-gather is the faster one."""
     return not _group(name)[1]
-
-
-RECORD_ENV = "TORCH_FR_BUFFER_SIZE"  # recording on: Flight Recorder, and the journal
-JOURNAL_KEPT = 20000
-# ops run as messages, newest last: (time ns, kind, group ranks, elements in, elements
-# out, ((peer, elements) sent), ((peer, elements) received)); read by :mod:`.trace`,
-# since Flight Recorder does not see gloo's messages
-JOURNAL: deque[tuple] = deque(maxlen=JOURNAL_KEPT)
-JOURNALED = [0]  # ops ever journaled (the oldest kept is number this - len(JOURNAL))
 
 
 def recording() -> bool:
@@ -261,15 +274,15 @@ def recording() -> bool:
 def _journal(*record) -> None:
     import time
 
-    JOURNALED[0] += 1
-    JOURNAL.append((time.time_ns(), *record))
+    MESSAGES.journaled += 1
+    MESSAGES.journal.append((time.time_ns(), *record))
 
 
 def _post(kind: Collective, name: str, flat: torch.Tensor, out: torch.Tensor, sends: list,
           recvs: list, journal: bool = True) -> list:
     """Send ``(group rank, tensor)`` pairs and receive into the ``recvs`` tensors; the
     works to wait for (a rank waits for its own sends too: their buffers may be views of
-    what the caller reuses). The op is journaled (:data:`JOURNAL`) when recording, unless
+    what the caller reuses). The op is journaled (``MESSAGES.journal``) when recording, unless
     ``journal`` is False (an op posted in parts journals itself)."""
     pg, coalesce, members = _group(name)
     if journal and recording():
@@ -287,30 +300,27 @@ def _post(kind: Collective, name: str, flat: torch.Tensor, out: torch.Tensor, se
     else:
         works = [pg.send([t], j, 0) for j, t in sends] + [pg.recv([t], j, 0)
                                                           for j, t in recvs]
-    if len(PEERS) > 4096:  # (works never waited for: a failed call's)
-        PEERS.clear()
+    peers = MESSAGES.peers
+    if len(peers) > 4096:  # (works never waited for: a failed call's)
+        peers.clear()
     for work, (j, _) in zip(works, [*sends, *recvs]):
-        PEERS[id(work)] = members[j]
+        peers[id(work)] = members[j]
     return works
-
-
-# a posted message's work -> the global rank at its other end, until it is waited for: a
-# failed wait names the rank that left (or never came)
-PEERS: dict[int, int] = {}
 
 
 def wait_all(works: list, site: str, kind: Collective | None) -> None:
     """Wait for ``works``; a failed wait raised as :mod:`.timeouts` words it, naming
     the rank at the other end of the failed message where known."""
+    peers = MESSAGES.peers
     for work in works:
         try:
             work.wait()
         except RuntimeError as err:
-            peer = PEERS.get(id(work))
+            peer = peers.get(id(work))
             for w in works:
-                PEERS.pop(id(w), None)
+                peers.pop(id(w), None)
             raise timeouts.failed(site, kind, err, peer) from None
-        PEERS.pop(id(work), None)
+        peers.pop(id(work), None)
 
 
 def _exchange_messages(flat: torch.Tensor, out_splits, in_splits, name: str

@@ -16,7 +16,7 @@ runs there, so it can never pair with a data collective.
 Two lifecycle rules keep gloo's connection setup safe over many build/destroy cycles:
 a destroyed group stays referenced until the next group has been created (dropping the
 last reference right after ``destroy_process_group`` can close sockets a peer's next
-``new_group`` is still using), and the registry forgets every group when the default
+``new_group`` is still using), and the pool forgets every group when the default
 process group it was built in is gone. The last reference is then dropped on a thread
 of its own (:class:`_Reaper`): gloo's destructor waits, with the GIL released, for each
 of its transport loops to wake from a 10 ms poll, about 20 ms per group, which a bridge's
@@ -43,10 +43,6 @@ __all__ = ["acquire", "release", "group_name", "process_group", "live_groups", "
 CHECK = "check"  # the tag of check groups
 
 Ranks = tuple[int, ...]
-_GROUPS: dict[tuple[str, Ranks], list] = {}  # (tag, ranks) -> [ProcessGroup, references]
-_WORLD: list = [None]                          # the default group the registry serves
-_CREATED = [0]                                 # process groups created so far
-_REUSED = [0]                                  # mesh dims' groups taken instead
 
 
 def world_token():
@@ -63,25 +59,22 @@ def check_world(token, what: str = "this bridge") -> None:
             f"init_process_group")
 
 
-# what must outlive its owner until it is done: (object, done?) pairs
-_IN_FLIGHT: list[tuple[object, Callable[[], bool]]] = []
-
-
 def keep_alive(obj: object, done: Callable[[], bool] = lambda: False) -> None:
     """Keep ``obj`` referenced until ``done()`` (checked whenever something is kept or a
     group is created); forgotten when the world it lives in is destroyed."""
-    _IN_FLIGHT.append((obj, done))
+    POOL.in_flight.append((obj, done))
     _purge()
 
 
 def _purge() -> None:
-    done = [d() for _, d in _IN_FLIGHT]
+    held = POOL.in_flight
+    done = [d() for _, d in held]
     if any(done):
-        gone = [entry for entry, d in zip(_IN_FLIGHT, done) if d]
-        _IN_FLIGHT[:] = [entry for entry, d in zip(_IN_FLIGHT, done) if not d]
+        gone = [entry for entry, d in zip(held, done) if d]
+        held[:] = [entry for entry, d in zip(held, done) if not d]
         # gloo groups handed over with no reference left on this thread (a destructor
         # runs where the last one goes); the rest dropped here
-        _REAPER.take([o for o in (gone.pop()[0] for _ in range(len(gone)))
+        POOL.reaper.take([o for o in (gone.pop()[0] for _ in range(len(gone)))
                       if isinstance(o, _OffThread)])
 
 
@@ -135,14 +128,44 @@ class _Reaper:
             return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
 
 
-_REAPER = _Reaper()
+class Pool:
+    """The process groups of every bridge, pooled (bridges over the same ranks share
+    them), and everything this process holds for them, in one place: the groups by
+    ``(tag, ranks)`` with their reference counts, what must outlive its owner
+    (:func:`keep_alive`), the reaper, the releases of bridges dropped without
+    ``destroy()`` (run by the next lease, :func:`.lease.release_later`) and the count of
+    agreements (:mod:`.agree`). All of it belongs to one default process group: a new
+    world starts it afresh (:meth:`sync_world`)."""
+
+    def __init__(self) -> None:
+        self.groups: dict[tuple[str, Ranks], list] = {}  # -> [group, references, a mesh's]
+        self.world: object = None  # the default group it serves
+        self.created = 0  # process groups created so far
+        self.reused = 0  # mesh dims' groups taken instead
+        self.in_flight: list[tuple[object, Callable[[], bool]]] = []  # (object, done?)
+        self.retired_done = True  # set when a group is created: retired groups may go
+        self.dropped: list[Callable[[], None]] = []  # releases for the next lease
+        self.agreed: tuple[object, int] = (None, 0)  # (the default group, bridges agreed)
+        self.reaper = _Reaper()
+
+    def sync_world(self) -> None:
+        """Start afresh if the default process group is not the one it served (the old
+        groups died with the old world)."""
+        if self.world is not dist.group.WORLD:
+            self.reaper.settle()
+            self.groups.clear()
+            self.in_flight.clear()
+            self.world = dist.group.WORLD
+
+
+POOL = Pool()
 
 
 def settle(timeout: float = 60.0) -> bool:
     """Wait until destroyed groups are freed (their sockets and threads closed); False if
     ``timeout`` s passed first. Resource counts (file descriptors, threads) are steady
     only after it."""
-    return _REAPER.settle(timeout)
+    return POOL.reaper.settle(timeout)
 
 
 def require_world(what: str) -> int:
@@ -158,22 +181,18 @@ def require_world(what: str) -> int:
 
 def _sync_world() -> None:
     require_world("preparing process groups")
-    if _WORLD[0] is not dist.group.WORLD:  # a new world: old groups died with the old one
-        _REAPER.settle()
-        _GROUPS.clear()
-        _IN_FLIGHT.clear()
-        _WORLD[0] = dist.group.WORLD
+    POOL.sync_world()
 
 
 def created() -> int:
-    """How many process groups the registry has created so far (on NCCL each costs
+    """How many process groups the pool has created so far (on NCCL each costs
     device memory: a lease reports its own)."""
-    return _CREATED[0]
+    return POOL.created
 
 
 def reused() -> int:
-    """How many times the registry took a mesh dim's own group instead of creating one."""
-    return _REUSED[0]
+    """How many times the pool took a mesh dim's own group instead of creating one."""
+    return POOL.reused
 
 
 def _timeout(tag: str) -> timedelta:
@@ -192,21 +211,21 @@ def acquire(groups: Iterable[Ranks], tag: str = "") -> None:
         if ranks[-1] >= world:
             raise MimoFxError(f"group {ranks} needs rank {ranks[-1]} but the world has "
                               f"{world} ranks; check the grids' sizes and offsets")
-        entry = _GROUPS.get((tag, ranks))
+        entry = POOL.groups.get((tag, ranks))
         if entry is not None:
             entry[1] += 1
             continue
         mesh = mesh_groups(ranks) if tag != CHECK and "p2p" not in tag else None
         if mesh is not None:  # a mesh dim's own group: used, never created nor destroyed
             pg = mesh[0].get_group(mesh[1]) if dist.get_rank() in ranks else None
-            _REUSED[0] += 1
+            POOL.reused += 1
         elif len(ranks) == world and not tag:
             pg = dist.group.WORLD
         else:
             pg = dist.new_group(list(ranks), timeout=_timeout(tag))
-            _CREATED[0] += 1
-            _retired_done[0] = True  # the retired groups' peers are through connecting
-        _GROUPS[tag, ranks] = [pg, 1, mesh is not None]
+            POOL.created += 1
+            POOL.retired_done = True  # the retired groups' peers are through connecting
+        POOL.groups[tag, ranks] = [pg, 1, mesh is not None]
 
 
 def release(groups: Iterable[Ranks], tag: str = "", abandon: bool = False) -> None:
@@ -214,34 +233,31 @@ def release(groups: Iterable[Ranks], tag: str = "", abandon: bool = False) -> No
     ``abandon`` (a group with sends its peers will never take: destroying it would wait
     for them) the group is forgotten but kept alive instead."""
     for ranks in groups:
-        entry = _GROUPS.get((tag, ranks))
+        entry = POOL.groups.get((tag, ranks))
         if entry is None:
             continue
         entry[1] -= 1
         if entry[1] == 0:
-            pg, _, reused = _GROUPS.pop((tag, ranks))
+            pg, _, reused = POOL.groups.pop((tag, ranks))
             if reused:
                 continue  # the mesh's: it lives as long as the mesh
             if abandon:
                 keep_alive(pg)  # never destroyed: a peer may still take its messages
-            elif pg is not dist.group.WORLD and _WORLD[0] is world_token() is not None:
+            elif pg is not dist.group.WORLD and POOL.world is world_token() is not None:
                 gloo = False
                 if isinstance(pg, dist.ProcessGroup):  # not on non-members
                     gloo = dist.get_backend(pg) == "gloo"
                     forget(pg.group_name)
                     dist.destroy_process_group(pg)
                 # referenced until the next group is created (see the module docstring)
-                _retired_done[0] = False
-                keep_alive(_OffThread(pg) if gloo else pg, lambda: _retired_done[0])
-
-
-_retired_done = [True]  # set when a group is created: retired groups may then go
+                POOL.retired_done = False
+                keep_alive(_OffThread(pg) if gloo else pg, lambda: POOL.retired_done)
 
 
 def group_name(ranks: Ranks, tag: str = "") -> str:
     """The registered name of a prepared group this rank belongs to (a constant under
     ``torch.compile``)."""
-    entry = _GROUPS.get((tag, ranks))
+    entry = POOL.groups.get((tag, ranks))
     if entry is None:
         raise MimoFxError(
             f"process group {ranks} is not prepared. Groups must be created eagerly on every "
@@ -255,9 +271,9 @@ def group_name(ranks: Ranks, tag: str = "") -> str:
 def process_group(ranks: Ranks, tag: str = ""):
     """The prepared group itself (for point-to-point calls, which take a group object)."""
     group_name(ranks, tag)  # the error if it is not prepared
-    return _GROUPS[tag, ranks][0]
+    return POOL.groups[tag, ranks][0]
 
 
 def live_groups() -> int:
-    """How many groups the registry holds (for leak checks)."""
-    return len(_GROUPS)
+    """How many groups the pool holds (for leak checks)."""
+    return len(POOL.groups)

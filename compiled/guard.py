@@ -26,6 +26,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -120,7 +121,7 @@ def dtype_code(dtype) -> int:
     return _DTYPE_CODES.get(dtype, len(_DTYPES) + 1)
 
 
-_DEVICES = {"cpu": 1, "cuda": 2, "meta": 3, "xpu": 4, "mps": 5}
+_DEVICES = MappingProxyType({"cpu": 1, "cuda": 2, "meta": 3, "xpu": 4, "mps": 5})
 
 
 def _device_code(device) -> int:
@@ -241,10 +242,10 @@ def calls_differ(rows, ranks: tuple[int, ...], what: str, magic: int = MAGIC) ->
             + "; every rank must make the same call")
 
 
-_DTYPES = [getattr(torch, n) for n in ("float64", "float32", "float16", "bfloat16", "int64",
-                                       "int32", "int16", "int8", "uint8", "bool",
-                                       "complex64", "complex128")]
-_DTYPE_CODES = {d: i + 1 for i, d in enumerate(_DTYPES)}
+_DTYPES = tuple(getattr(torch, n) for n in ("float64", "float32", "float16", "bfloat16",
+                                            "int64", "int32", "int16", "int8", "uint8",
+                                            "bool", "complex64", "complex128"))
+_DTYPE_CODES = MappingProxyType({d: i + 1 for i, d in enumerate(_DTYPES)})
 
 
 def int_tensor(values: Sequence[Any], device) -> torch.Tensor:

@@ -27,21 +27,19 @@ __all__ = ["Lease", "require_world", "keep_alive", "release_later", "release_dro
 
 Ranks = tuple[int, ...]
 
-# releases of leases whose owner was garbage-collected without being destroyed: run at
-# the next lease's construction, not inside the collector (which may run in the middle
-# of creating another group, or of a collective)
-_DROPPED: list[Callable[[], None]] = []
-
-
 def release_later(release: Callable[[], None]) -> None:
-    """Run ``release`` (a dropped owner's) when the next lease is built."""
-    _DROPPED.append(release)
+    """Run ``release`` (a dropped owner's) when the next lease is built: a lease whose
+    owner was garbage-collected without being destroyed is released there, not inside
+    the collector (which may run in the middle of creating another group, or of a
+    collective)."""
+    groups.POOL.dropped.append(release)
 
 
 def release_dropped() -> None:
     """Release what dropped owners held (safe points only: not from a finalizer)."""
-    while _DROPPED:
-        _DROPPED.pop(0)()
+    dropped = groups.POOL.dropped
+    while dropped:
+        dropped.pop(0)()
 
 
 class Lease:

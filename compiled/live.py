@@ -5,7 +5,9 @@ source-only results -- lives on the bridge object. Code that meets only a bridge
 finds the bridge here: a compiled call (which must reach its bridge through a global,
 see :func:`find`), a compiled graph's size gather (its op takes the name, a
 constant), a collective's completion or failure (its site string begins with the name,
-see :mod:`.timeouts`) and :func:`mimo_fx.joined` (every bridge's source-only results).
+see :mod:`.timeouts`) and :func:`mimo_fx.joined` (every bridge's source-only results). The bridges
+:func:`mimo_fx.compiled.prepare` makes for the functional API are kept here too, by their
+definition (:func:`prepared`).
 
 Weak: the registry holds a weak reference to each bridge's traced handle (a second
 object sharing the bridge's state, see :func:`.redistributor._traced_handle`); a bridge
@@ -18,10 +20,22 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-__all__ = ["BRIDGES", "register", "forget", "find", "named", "bridges"]
+__all__ = ["REGISTRY", "register", "forget", "find", "named", "bridges", "prepared", "keep",
+           "drop_kept"]
 
-# name -> a weak reference to the bridge's traced handle
-BRIDGES: dict[str, weakref.ref[Any]] = {}
+
+class Registry:
+    """The live bridges of this process: by name, a weak reference to each one's traced
+    handle; by definition, the bridges :func:`mimo_fx.compiled.prepare` keeps alive (the
+    functional API's, which no caller holds)."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, weakref.ref[Any]] = {}
+        self.kept: dict[tuple, Any] = {}  # a definition -> its prepared bridge
+
+
+REGISTRY = Registry()
+BRIDGES = REGISTRY.by_name  # (the name index, read by compiled calls as a global)
 
 
 def register(name: str, handle: Any) -> None:
@@ -59,3 +73,21 @@ def bridges() -> list[Any]:
     # (no generator: joined() reads it under torch.compile, where Dynamo cannot trace one)
     found = [ref() for ref in list(BRIDGES.values())]
     return [b for b in found if b is not None]
+
+
+def prepared(key: tuple) -> Any:
+    """The bridge kept for definition ``key``, or None."""
+    return REGISTRY.kept.get(key)
+
+
+def keep(key: tuple, bridge: Any) -> Any:
+    """Keep ``bridge`` alive as the one for definition ``key``; returns it."""
+    REGISTRY.kept[key] = bridge
+    return bridge
+
+
+def drop_kept() -> list[Any]:
+    """Stop keeping every prepared bridge; returns them (for their caller to destroy)."""
+    out = list(REGISTRY.kept.values())
+    REGISTRY.kept.clear()
+    return out

@@ -9,7 +9,7 @@ invariant that every rank of a bridge issues the same collectives in the same or
 
 A collective mimo_fx runs as point-to-point messages (an all-to-all; an all-gather on
 gloo, see :mod:`.comm`) is not a process group's collective, and Flight Recorder does not
-see gloo's messages: each such op journals itself instead (``comm.JOURNAL``), once
+see gloo's messages: each such op journals itself instead (``comm.MESSAGES.journal``), once
 per call on every member -- also a member with nothing to send or receive -- with the
 messages it posted. :func:`since` returns both kinds of record in the order they ran
 (and leaves out Flight Recorder's own point-to-point records, which NCCL keeps).
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from mimo_fx.errors import MimoFxError
 from mimo_fx.plan import Collective
 
-from .comm import JOURNAL, JOURNAL_KEPT, JOURNALED, OPS, RECORD_ENV, recording
+from .comm import JOURNAL_KEPT, MESSAGES, OPS, RECORD_ENV, recording
 
 __all__ = ["ENV", "Call", "Mark", "enabled", "mark", "since"]
 
@@ -75,7 +75,7 @@ def _entries() -> list[dict]:
 def mark() -> Mark:
     """Where the records stand now: pass it to :func:`since`."""
     entries = _entries()
-    return Mark(entries[-1]["record_id"] if entries else -1, JOURNALED[0])
+    return Mark(entries[-1]["record_id"] if entries else -1, MESSAGES.journaled)
 
 
 def _group_ranks() -> dict[str, tuple[int, ...]]:
@@ -110,11 +110,12 @@ def since(mark_: Mark) -> list[Call]:
         out.append((e["time_created_ns"], Call(e["record_id"], _kind(e["profiling_name"]),
                                                groups.get(name, ()), sum(numel),
                                                sum(numel_out))))
-    first = JOURNALED[0] - len(JOURNAL)  # the number of the oldest record kept
+    journal = MESSAGES.journal
+    first = MESSAGES.journaled - len(journal)  # the number of the oldest record kept
     if mark_.journaled < first:
         raise MimoFxError(f"the message journal dropped records after the mark (it keeps "
                           f"{JOURNAL_KEPT}): read since() sooner")
-    out += [(t, Call(-1, *rest)) for t, *rest in list(JOURNAL)[mark_.journaled - first:]]
+    out += [(t, Call(-1, *rest)) for t, *rest in list(journal)[mark_.journaled - first:]]
     return [call for _, call in sorted(out, key=lambda tc: tc[0])]
 
 

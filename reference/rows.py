@@ -19,6 +19,7 @@ them done in this process. Through the project's custom vjp, so
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -56,8 +57,9 @@ def _backward_take(route: RankRoute, got: torch.Tensor) -> torch.Tensor:
 
 
 # per direction: what a rank sends, its per-peer counts, and its piece from what it got
-_STEPS = {"forward": (_forward_send, lambda r: r.send_counts, _forward_take),
-          "backward": (_backward_send, lambda r: r.bsend_counts, _backward_take)}
+_STEPS = MappingProxyType({
+    "forward": (_forward_send, lambda r: r.send_counts, _forward_take),
+    "backward": (_backward_send, lambda r: r.bsend_counts, _backward_take)})
 
 
 class _AllRanks:

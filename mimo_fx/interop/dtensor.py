@@ -345,25 +345,34 @@ def _chunked(layout: Layout) -> Layout:
     return Layout(layout.grid, layout.pattern, partial=layout.partial, split="chunk")
 
 
-# the layouts of every move seen: read back by index (a constant of the graph)
-_MOVES: list[tuple] = []
-_MOVE_INDEX: dict[tuple, int] = {}
+class _Moves:
+    """The layouts of every move seen, each numbered once: a graph keeps a move's number
+    (a constant) and reads its layouts back here."""
+
+    def __init__(self) -> None:
+        self.layouts: list[tuple] = []
+        self.numbers: dict[tuple, int] = {}
+
+    def number(self, move: tuple) -> int:
+        if move not in self.numbers:
+            self.numbers[move] = len(self.layouts)
+            self.layouts.append(move)
+        return self.numbers[move]
+
+
+_MOVES = _Moves()
 
 
 @torch.compiler.assume_constant_result
 def _move_index(src_mesh, src_placements, ndim: int, dst_mesh, dst_placements) -> int:
-    """The index in ``_MOVES`` of ``(src, dst)`` of a move, computed while tracing (plain
+    """The number in ``_MOVES`` of ``(src, dst)`` of a move, computed while tracing (plain
     Python on the meshes' rank tensors, which Dynamo cannot trace)."""
     try:
         src, dst = _layouts(src_mesh, src_placements, ndim, dst_mesh, dst_placements)
     except MimoFxError as err:
         raise MimoFxError(f"redistribute a {ndim}-dim DTensor from {src_placements} on "
                           f"{src_mesh} to {dst_placements} on {dst_mesh}: {err}") from None
-    move = (src, dst)
-    if move not in _MOVE_INDEX:
-        _MOVE_INDEX[move] = len(_MOVES)
-        _MOVES.append(move)
-    return _MOVE_INDEX[move]
+    return _MOVES.number((src, dst))
 
 
 def _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked):
@@ -371,7 +380,7 @@ def _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked):
     from mimo_fx.compiled import bridge_for
     from mimo_fx.compiled.options import Options
 
-    src, dst = _MOVES[_move_index(x.device_mesh, tuple(x.placements), x.dim(), dst_mesh,
+    src, dst = _MOVES.layouts[_move_index(x.device_mesh, tuple(x.placements), x.dim(), dst_mesh,
                                   tuple(dst_placements))]
     opts = Options(x.dtype, tuple(grad_partial), comm_dtype, checked)
     try:  # sizes free: each call gives its shape (one bridge, one graph for even sizes)

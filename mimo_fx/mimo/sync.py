@@ -43,6 +43,7 @@ import hashlib
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -57,13 +58,13 @@ __all__ = ["GradSync", "TiedGrads", "Bucket", "data_axes", "embedding_groups", "
 
 Ranks = tuple[int, ...]
 DATA_AXES = ("dp", "cp")
-_NOT_DATA = {
+_NOT_DATA = MappingProxyType({
     "tp": "tensor-parallel ranks hold different shards of a weight, so summing their "
           "gradients would add unrelated pieces (TP layers reduce what they need "
           "themselves)",
     "pp": "pipeline stages hold different parameters; a weight tied between the first "
           "and the last stage is summed by TiedGrads",
-}
+})
 
 
 def data_axes(grid: Grid, axes: Sequence[str] = DATA_AXES) -> tuple[str, ...]:

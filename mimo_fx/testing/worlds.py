@@ -236,13 +236,12 @@ def _same(a: object, b: object) -> bool:
 
 
 def _registered_bridges() -> str:
-    """What ``mimo_fx.compiled`` still holds: groups, abandoned groups (with sends no
-    peer will take) and prepared bridges; "" if nothing (or never imported)."""
+    """What ``mimo_fx.compiled`` still holds: groups and prepared bridges; "" if nothing
+    (or never imported)."""
     groups = sys.modules.get("mimo_fx.compiled.groups")
-    compiled = sys.modules.get("mimo_fx.compiled")
-    held = {"groups": len(getattr(groups, "_GROUPS", ())),
-            "abandoned groups": len(getattr(groups, "_ABANDONED", ())),
-            "prepared bridges": len(getattr(compiled, "_PREPARED", ()))}
+    live = sys.modules.get("mimo_fx.compiled.live")
+    held = {"groups": len(groups.POOL.groups) if groups else 0,
+            "prepared bridges": len(live.REGISTRY.kept) if live else 0}
     return ", ".join(f"{n} {what}" for what, n in held.items() if n) + \
         (" left in mimo_fx.compiled's registry" if any(held.values()) else "")
 
