@@ -451,6 +451,41 @@ class Plan(_Schedule, Costs):
         """``(kind, number of groups)`` per step, in issue order."""
         return tuple((s.kind, len(s.rank_groups)) for s in self.steps)
 
+    # -- what the reference executor asks every plan -------------------------------------
+    @property
+    def inputs(self) -> tuple[int, ...]:
+        """The ranks whose pieces the plan takes, in order: src's holders."""
+        return self.src.holders
+
+    @property
+    def outputs(self) -> tuple[int, ...]:
+        """The ranks whose pieces it gives, in order: dst's holders."""
+        return self.dst.holders
+
+    @cached_property
+    def _source(self) -> Tiling:
+        return Tiling.of(self.src, self.dims, dict(self.sizes))  # (before any reduction)
+
+    def load(self, rank: int, local: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
+        """``rank``'s src piece as ``(box, values)`` pieces in the plan's dims, one per
+        box of its tiling."""
+        from itertools import product
+
+        from .local import box_slices, to_canonical
+
+        canon = to_canonical(local, self.src, self._source, rank)
+        segments = self._source.segments(rank)
+        return [(box, canon[box_slices(segments, box)]) for box in product(*segments)]
+
+    def assemble(self, rank: int, store: list[tuple[Box, torch.Tensor]],
+                 like: torch.Tensor) -> torch.Tensor:
+        """``rank``'s dst piece from the boxes it holds (on ``like``'s device: CPU, or
+        ``meta`` for shapes only)."""
+        from .local import assemble, from_canonical
+
+        out = assemble(store, self.need.segments(rank), like.dtype, like.device, check=True)
+        return from_canonical(out, self.dst, self.dims)
+
     def for_rank(self, rank: int) -> RankPlan:
         """The part of this plan ``rank`` takes part in (see :class:`RankPlan`)."""
         return RankPlan(self.src, self.dst, self.dims, self.sizes, self.itemsize,

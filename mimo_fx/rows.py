@@ -43,9 +43,11 @@ import torch
 
 from .costs import Costs
 from .errors import MimoFxError
+from .exchange import Transfer
+from .plan import Exchange, Step
 
-__all__ = ["RankRoute", "RowPlan", "plan_rows", "layout_rows", "seed_bytes", "ROUTE_INDEX",
-           "route_tensors"]
+__all__ = ["RankRoute", "RowPlan", "RowSchedule", "plan_rows", "layout_rows", "seed_bytes",
+           "ROUTE_INDEX", "route_tensors"]
 
 Ints = tuple[int, ...]
 
@@ -98,6 +100,71 @@ def route_tensors(route: RankRoute, device=None) -> tuple[tuple[torch.Tensor, ..
     index = tuple(torch.tensor(getattr(route, name), dtype=torch.int64, device=device)
                   for name in ROUTE_INDEX)
     return index, torch.tensor(route.counts, dtype=torch.int64)
+
+
+def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
+    """Rising distinct rows as maximal runs ``[a, b)`` of consecutive ones."""
+    out: list[tuple[int, int]] = []
+    for g in rows:
+        if out and out[-1][1] == g:
+            out[-1] = (out[-1][0], g + 1)
+        else:
+            out.append((g, g + 1))
+    return out
+
+
+def _exchange(ranks: Ints, sends: Sequence[Sequence[Sequence[int]]]) -> Exchange:
+    """``sends[i][j]`` (rising rows ``ranks[i]`` sends ``ranks[j]``) as one exchange of
+    row runs: each transfer's box is a run ``[a, b)`` of global rows."""
+    return Exchange(tuple(Transfer(s, d, (run,)) for i, s in enumerate(ranks)
+                          for j, d in enumerate(ranks) for run in _runs(sends[i][j])),
+                    ranks)
+
+
+@dataclass(frozen=True, eq=False)
+class RowSchedule:
+    """One direction of a row plan, as the reference executor runs every plan: each
+    input rank loads its rows (:meth:`load`), the steps deliver runs of rows (one
+    :class:`~mimo_fx.plan.Exchange` whose boxes are runs ``[a, b)`` of global rows), and
+    each output rank assembles its piece (:meth:`assemble`).
+
+    ``loads[i]``: per local row of ``inputs[i]``'s piece, the global row it holds (-1:
+    padding, or a cotangent that does not count); ``rows[j]``: per local row of
+    ``outputs[j]``'s piece, the global row it takes (-1: padding, left zero).
+    """
+
+    inputs: Ints
+    outputs: Ints
+    loads: tuple[Ints, ...]
+    rows: tuple[Ints, ...]
+    steps: tuple[Step, ...]
+
+    def load(self, rank: int, local: torch.Tensor) -> list:
+        """``rank``'s piece as ``(run, rows)`` pieces, one per run of the distinct rows it
+        holds (a row held at several local rows: their sum, as the adjoint of a dst piece
+        that uses a row twice)."""
+        rows = torch.tensor(self.loads[self.inputs.index(rank)], dtype=torch.int64)
+        keep = torch.nonzero(rows >= 0).flatten().to(local.device)
+        distinct, slot = torch.unique(rows[rows >= 0], sorted=True, return_inverse=True)
+        sums = local.new_zeros((len(distinct), *local.shape[1:])).index_add(
+            0, slot.to(local.device), local.index_select(0, keep))
+        out, at = [], 0
+        for a, b in _runs(distinct.tolist()):
+            out.append((((a, b),), sums[at:at + b - a]))
+            at += b - a
+        return out
+
+    def assemble(self, rank: int, store: list, like: torch.Tensor) -> torch.Tensor:
+        """``rank``'s piece: each local row the sum of the stored runs holding its row
+        (one run but for a src gradient, which every user of the row sends)."""
+        rows = torch.tensor(self.rows[self.outputs.index(rank)], dtype=torch.int64)
+        out = like.new_zeros((len(rows), *like.shape[1:]))
+        for ((a, b),), values in store:
+            at = torch.nonzero((rows >= a) & (rows < b)).flatten()
+            if len(at):
+                out = out.index_add(0, at.to(like.device), values.index_select(
+                    0, (rows[at] - a).to(like.device)))
+        return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -179,6 +246,22 @@ class RowPlan(Costs):
             brecv_counts=tuple(len(rows) for rows in came),
             recv_local=tuple(local[g] for rows in came for g in rows), n_src=len(src))
 
+    def schedule(self, direction: str = "forward") -> RowSchedule:
+        """One direction as the reference executor runs it: forward, every rank's src
+        rows to its dst rows; backward, the counted ranks' cotangents (each distinct row
+        summed) to every holder of each row."""
+        return self._schedules[_direction(direction)]
+
+    @cached_property
+    def _schedules(self) -> tuple[RowSchedule, RowSchedule]:
+        none = tuple((-1,) * len(rows) for rows in self.dst_rows)
+        counted = tuple(rows if r in self.counted else no
+                        for r, rows, no in zip(self.ranks, self.dst_rows, none))
+        return (RowSchedule(self.ranks, self.ranks, self.src_rows, self.dst_rows,
+                            (_exchange(self.ranks, self.sends),)),
+                RowSchedule(self.ranks, self.ranks, counted, self.src_rows,
+                            (_exchange(self.ranks, self._backward_sends),)))
+
     # -- cost ---------------------------------------------------------------------------
     def received(self, direction: str = "forward") -> dict[int, int]:
         """Rows each rank receives from other ranks in ``direction``."""
@@ -191,10 +274,7 @@ class RowPlan(Costs):
                 for i, (r, c) in enumerate(zip(self.ranks, self._counts(direction, 0)))}
 
     def _counts(self, direction: str, received: int) -> list[Ints]:
-        if direction not in ("forward", "backward"):
-            raise MimoFxError(f"direction must be 'forward' or 'backward', got "
-                              f"{direction!r}")
-        if direction == "forward":
+        if _direction(direction) == 0:
             rows = [[len(self.sends[i][j]) for j in range(len(self.ranks))]
                     for i in range(len(self.ranks))]
         else:
@@ -264,6 +344,12 @@ class RowPlan(Costs):
             f"  cost: max recv {format_bytes(self.max_recv)}/rank (lower bound "
             f"{format_bytes(self.max_lower_bound)}), max sent {format_bytes(self.max_sent)}"
             f"/rank, total {format_bytes(self.total_bytes)}, 1 collective(s)"])
+
+
+def _direction(direction: str) -> int:
+    if direction not in ("forward", "backward"):
+        raise MimoFxError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    return 0 if direction == "forward" else 1
 
 
 def seed_bytes(n_rows: int, cp_ranks: Sequence[int], row_bytes: int,

@@ -1,54 +1,44 @@
 """Run a plan for every rank in one process.
 
-Each rank's *store* is a list of ``(box, tensor)`` pieces in canonical dim order. The
-executor loads the src pieces, applies the plan's steps by copying (or summing) the boxes
-each step delivers (:meth:`~mimo_fx.plan.Step.deliveries`, the same for every kind), then
-assembles every dst rank's local tensor. It decides nothing: every box it moves is named
-by the plan.
+Each rank's *store* is a list of ``(box, tensor)`` pieces in the plan's dims. The
+executor asks the plan to load every input rank's piece into its store, applies the
+plan's steps by copying (or summing) the boxes each step delivers
+(:meth:`~mimo_fx.plan.Step.deliveries`, the same for every kind), then asks the plan to
+assemble every output rank's piece. It decides nothing, and asks no plan its kind: a box
+plan's boxes are boxes of the tensor, a row plan's (:class:`~mimo_fx.rows.RowSchedule`)
+runs of its rows, and each plan loads and assembles its own.
 """
 
 from __future__ import annotations
 
-from itertools import product
+from collections.abc import Mapping
 
 import torch
 
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
-from mimo_fx.local import (
-    Store,
-    assemble,
-    box_slices,
-    from_canonical,
-    infer_sizes,
-    take,
-    to_canonical,
-)
+from mimo_fx.local import Store, infer_sizes, take
 from mimo_fx.plan import Plan, Step, backward_plan, kind_of, plan, size_arguments
-from mimo_fx.regions import Box, Tiling
-from mimo_fx.rows import is_row_layout
+from mimo_fx.regions import Box
+from mimo_fx.rows import RowPlan, RowSchedule, is_row_layout
 from mimo_fx.vjp import apply
 
-__all__ = ["ReferenceExecutor", "redistribute"]
+__all__ = ["ReferenceExecutor", "redistribute", "run_rows"]
 
 class ReferenceExecutor:
-    """Executes plans on a tuple of pieces, one per src holder, in rank order."""
+    """Executes a plan on a tuple of pieces, one per input rank of the plan, in order:
+    a box plan (:class:`~mimo_fx.plan.Plan`) or a direction of a row plan
+    (:class:`~mimo_fx.rows.RowSchedule`), alike."""
 
-    def run(self, plan: Plan, tensors: tuple[torch.Tensor, ...],
+    def run(self, plan: Plan | RowSchedule, tensors: tuple[torch.Tensor, ...],
             env: dict | None = None, *, direction: str = "forward"
             ) -> tuple[torch.Tensor, ...]:
-        src_tiling = Tiling.of(plan.src, plan.dims, dict(plan.sizes))
-        stores: dict[int, Store] = {}
-        for rank, local in zip(plan.src.holders, tensors):
-            canon = to_canonical(local, plan.src, src_tiling, rank)
-            segments = src_tiling.segments(rank)
-            stores[rank] = [(box, canon[box_slices(segments, box)])
-                            for box in product(*segments)]
+        stores: dict[int, Store] = {rank: plan.load(rank, local)
+                                    for rank, local in zip(plan.inputs, tensors)}
         for step in plan.steps:
             self._apply(step, stores)
-        dtype, device = tensors[0].dtype, tensors[0].device
-        return tuple(self._assemble(plan, rank, stores.get(rank, []), dtype, device)
-                     for rank in plan.dst.holders)
+        return tuple(plan.assemble(rank, stores.get(rank, []), tensors[0])
+                     for rank in plan.outputs)
 
     @staticmethod
     def _apply(step: Step, stores: dict[int, Store]) -> None:
@@ -73,14 +63,6 @@ class ReferenceExecutor:
                     stores[rank] = []
         for rank, pieces in incoming.items():
             stores.setdefault(rank, []).extend(pieces)
-
-    @staticmethod
-    def _assemble(plan: Plan, rank: int, store: Store, dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
-        # on the pieces' device: CPU, or ``meta`` for shapes only (every rank in one
-        # process shares one device)
-        out = assemble(store, plan.need.segments(rank), dtype, device, check=True)
-        return from_canonical(out, plan.dst, plan.dims)
 
 
 _EXECUTOR = ReferenceExecutor()
@@ -124,10 +106,8 @@ def redistribute(
 
 def _redistribute_rows(pieces: dict, src, dst, given: dict, grad_partial: tuple) -> dict:
     """A row plan (a packed layout on a side) for every rank: sizes from the pieces and
-    the layouts, the plan run by :func:`mimo_fx.reference.rows.run_rows`."""
+    the layouts, the plan run by :func:`run_rows`."""
     from mimo_fx.rows import check_row_sizes, plan_layouts, row_dims
-
-    from .rows import run_rows
 
     like = next(iter(pieces.values()), None)
     if like is None:
@@ -144,3 +124,42 @@ def _redistribute_rows(pieces: dict, src, dst, given: dict, grad_partial: tuple)
     p = plan_layouts(src, dst, full, like.dtype.itemsize, grad_partial)
     out = run_rows(p, {r: t for r, t in pieces.items()})
     return {r: out[r] for r in dst.holders}
+
+
+def run_rows(plan: RowPlan, pieces: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Every rank's dst piece from every rank's src piece under a row plan (a rank of
+    the plan missing from ``pieces`` must hold no src rows), through the custom vjp:
+    differentiable, ``loss.backward()`` and ``torch.func`` run the plan's backward.
+
+    >>> from mimo_fx.rows import plan_rows
+    >>> p = plan_rows({0: [0, 1], 1: [2, 3]}, {0: [3, 0, 3], 1: [1, -1]}, n_rows=4)
+    >>> x = torch.arange(4.0).unsqueeze(1).requires_grad_()
+    >>> y = run_rows(p, {0: x[:2], 1: x[2:]})
+    >>> {r: t.flatten().tolist() for r, t in y.items()}
+    {0: [3.0, 0.0, 3.0], 1: [1.0, 0.0]}
+    >>> sum(t.sum() for t in y.values()).backward()
+    >>> x.grad.flatten().tolist()
+    [1.0, 1.0, 0.0, 2.0]
+    """
+    like = next(iter(pieces.values()), None)
+    if like is None:
+        raise MimoFxError("a row plan in one process needs at least one src piece (for the "
+                          "dtype and row shape)")
+    strangers = sorted(set(pieces) - set(plan.ranks))
+    if strangers:
+        raise MimoFxError(f"got pieces for ranks {strangers} that take no part in the plan; "
+                          f"its ranks are {plan.ranks}")
+    tensors = []
+    for r in plan.ranks:
+        x = pieces.get(r)
+        if x is None:
+            x = like.new_zeros((0, *like.shape[1:]))
+        want = len(plan.src_rows[plan.index(r)])
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != want:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else x
+            raise MimoFxError(f"rank {r} holds {want} src rows under this plan, so its src "
+                              f"piece must be ({want}, *row_shape); got {shape}")
+        tensors.append(x)
+    out = apply(_EXECUTOR, plan.schedule("forward"), plan.schedule("backward"),
+                tuple(tensors))
+    return dict(zip(plan.ranks, out))

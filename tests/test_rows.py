@@ -30,7 +30,7 @@ from mimo_fx.compiled.executor import CompiledExecutor
 from mimo_fx.compiled.lowering import lower_rows, row_variables
 from mimo_fx.packed import PackedLayout, Packing, image_rows, pack_shard
 from mimo_fx.reference import shard, unshard
-from mimo_fx.reference.rows import run_rows
+from mimo_fx.reference.executor import run_rows
 from mimo_fx.rows import layout_rows, plan_rows, route_tensors, seed_bytes
 
 FAST = settings(max_examples=60, deadline=None)
