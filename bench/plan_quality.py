@@ -121,7 +121,7 @@ from mimo_fx import Grid, Layout, backward_plan, plan
 from mimo_fx.explain import step_matrix
 from mimo_fx.packed import PackedLayout
 from mimo_fx.plan import Collective, Exchange, Plan
-from mimo_fx.rows import RowPlan, seed_bytes
+from mimo_fx.rows import RowRouting, plan_layouts, seed_bytes
 
 WORLDS = (8, 64, 512, 4096)
 QUICK_WORLDS = (8, 64)
@@ -449,12 +449,12 @@ def delivery(batch: Batch, world: int, cp: int, replicas: int) -> Delivery:
     return Delivery(world, cp, replicas, rows, src, dst, tuple(counts))
 
 
-def _row_pairs(p: RowPlan, direction: str) -> dict[tuple[int, int], float]:
+def _row_pairs(p: RowRouting, direction: str) -> dict[tuple[int, int], float]:
     """Bytes each rank sends each other rank in one direction of a row plan."""
     return {pair: float(n * ROW_BYTES) for pair, n in p.pairs(direction).items()}
 
 
-def row_plan_seconds(p: RowPlan) -> tuple[float, float]:
+def row_plan_seconds(p: RowRouting) -> tuple[float, float]:
     """A row plan's modelled forward and backward: one all_to_all each."""
     return p2p_seconds(_row_pairs(p, "forward")), p2p_seconds(_row_pairs(p, "backward"))
 
@@ -486,7 +486,7 @@ def seed_seconds(dl: Delivery) -> tuple[float, float]:
 @dataclass
 class DeliveryRow:
     dl: Delivery
-    plan: RowPlan
+    plan: RowRouting
 
     def _cp_max(self, what: Callable[[int], int]) -> float:
         return float(max(what(r) for r in self.dl.dst_ranks) * ROW_BYTES)
@@ -532,9 +532,12 @@ class DeliveryRow:
 def measure_delivery(batch: Batch, world: int, cp: int) -> DeliveryRow:
     replicas = world // 2 // cp if world <= WHOLE_WORLD_UP_TO else 1
     dl = delivery(batch, world, cp, replicas)
-    # the planner's one entry point, as for every other table
-    p = plan(dl.src, dl.dst, {"t": dl.counts, "h": HIDDEN}, ITEMSIZE)
-    assert isinstance(p, RowPlan) and p.row_bytes == ROW_BYTES
+    # the row router's routing (both directions, in rows), whose forward plan the
+    # planner's one entry point returns, as for every other table
+    sizes = {"t": dl.counts, "h": HIDDEN}
+    p = plan_layouts(dl.src, dl.dst, sizes, ITEMSIZE)
+    assert p.row_bytes == ROW_BYTES
+    assert plan(dl.src, dl.dst, sizes, ITEMSIZE).bytes_recv == p.bytes_recv
     return DeliveryRow(dl, p)
 
 

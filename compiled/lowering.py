@@ -33,6 +33,7 @@ from math import prod
 from typing import Any
 
 from mimo_fx.errors import MimoFxError
+from mimo_fx.layout import Layout
 from mimo_fx.local import box_slices
 from mimo_fx.plan import (
     AllReduce,
@@ -358,17 +359,18 @@ def lower(plan: Plan | RankPlan, rank: int, sym: Symbolizer | None = None) -> Pr
     if isinstance(plan, RankPlan) and plan.rank != rank:
         raise MimoFxError(f"lower: this is rank {plan.rank}'s part of the plan, not rank "
                           f"{rank}'s; plan rank {rank}'s part with plan_for_rank(..., rank={rank})")
+    src, dst, source, need = _boxes(plan)
     res = _Resolver()
     src_expand, src_perm, src_shape = None, None, None
-    if plan.src.holds(rank):
-        segments = Tiling.of(plan.src, plan.dims, dict(plan.sizes)).segments(rank)
+    if src.holds(rank):
+        segments = source.segments(rank)
         if sym is not None:
             segments = sym.segments(segments)
         ext = dict(zip(plan.dims, _shape(segments)))
-        expand = tuple(ext[d] for d in plan.src.dims)
-        src_shape = tuple(prod(ext[f.dim] for f in g) for g in plan.src.local_dims)
+        expand = tuple(ext[d] for d in src.dims)
+        src_shape = tuple(prod(ext[f.dim] for f in g) for g in src.local_dims)
         src_expand = None if expand == src_shape else expand
-        perm = tuple(plan.src.dims.index(d) for d in plan.dims)
+        perm = tuple(src.dims.index(d) for d in plan.dims)
         src_perm = None if perm == tuple(range(len(perm))) else perm
         res.new([segments])
     else:
@@ -376,17 +378,17 @@ def lower(plan: Plan | RankPlan, rank: int, sym: Symbolizer | None = None) -> Pr
     steps = plan.steps if sym is None else tuple(sym.step(s, rank) for s in plan.steps)
     ops = [op for step in steps if (op := _lower_step(step, rank, res)) is not None]
     out, out_clone, out_perm, out_local = None, False, None, None
-    if plan.dst.holds(rank):
-        segments = plan.need.segments(rank)
+    if dst.holds(rank):
+        segments = need.segments(rank)
         if sym is not None:
             segments = sym.segments(segments)
         out = res.read(segments)
         out_clone = isinstance(out, View) and out.entry == 0
-        perm = tuple(plan.dims.index(d) for d in plan.dst.dims)
+        perm = tuple(plan.dims.index(d) for d in dst.dims)
         out_perm = None if perm == tuple(range(len(perm))) else perm
         ext = dict(zip(plan.dims, _shape(segments)))
-        local = tuple(prod(ext[f.dim] for f in g) for g in plan.dst.local_dims)
-        out_local = None if local == tuple(ext[d] for d in plan.dst.dims) else local
+        local = tuple(prod(ext[f.dim] for f in g) for g in dst.local_dims)
+        out_local = None if local == tuple(ext[d] for d in dst.dims) else local
     # entries nothing reads are not materialised
     first = 1
     for i, op in enumerate(ops):
@@ -394,7 +396,20 @@ def lower(plan: Plan | RankPlan, rank: int, sym: Symbolizer | None = None) -> Pr
         ops[i] = replace(op, unpack=unpack)
         first += len(op.unpack)
     return Program(src_expand, src_perm, tuple(ops), out, out_clone, out_perm, out_local,
-                   len(plan.dst.local_dims), src_shape)
+                   len(dst.local_dims), src_shape)
+
+
+def _boxes(plan: Plan | RankPlan) -> tuple[Layout, Layout, Tiling, Tiling]:
+    """A plan between box layouts: its layouts and what src holds and dst needs. A plan
+    moving rows (a packed layout on a side) is not lowered here: a bridge runs it with
+    the row programs (:func:`lower_rows`), the same for every batch."""
+    src, dst, source, need = plan.src, plan.dst, plan.source, plan.need
+    if not (isinstance(src, Layout) and isinstance(dst, Layout)
+            and isinstance(source, Tiling) and isinstance(need, Tiling)):
+        raise MimoFxError(f"lower() takes a plan between box layouts, not {src.describe()!r} "
+                          f"-> {dst.describe()!r}; a bridge with a packed layout on a side "
+                          f"runs the row programs (mimo_fx.compiled.Redistributor does)")
+    return src, dst, source, need
 
 
 # one lowering function per step kind, registered with @_lowers(kind)

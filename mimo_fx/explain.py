@@ -14,9 +14,9 @@ share (an all-reduce is both). Row sums are ``plan.bytes_sent``, column sums
 ``plan.bytes_recv``; how a collective's ring or tree relays the data is the library's
 business and not shown.
 
-A :class:`~mimo_fx.rows.RowPlan` (a packed layout on a side) is explained alike: the rows
-each rank holds and needs as ranges of the row dims, the matrix of its one all-to-all,
-how many rows (and bytes) each sender sends each receiver, and bytes against the bound.
+A plan with a packed layout on a side is explained alike: its one dim is the rows (the
+row dims flattened), so what each rank holds and needs, and each transfer, are runs of
+rows, and its one step the all-to-all of them.
 
 >>> from mimo_fx import Grid, Layout, plan
 >>> p = plan(Layout(Grid(dp=2), "(dp b) h"), Layout(Grid(tp=2), "b h"), {"b": 4, "h": 8})
@@ -28,22 +28,21 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 
 from tabulate import tabulate
 
 from .errors import MimoFxError
 from .grid import Grid
-from .plan import Exchange, Plan, Step, format_bytes
-from .regions import Box, Tiling
-from .rows import RowPlan
+from .plan import Exchange, Holdings, Plan, Step, format_bytes
+from .regions import Box, box_volume
 
 __all__ = ["step_matrix", "transfer_matrix", "explain", "rank_table", "draw_png"]
 
 MATRIX_RANKS = 16   # print the full matrix up to this many ranks, else the heaviest pairs
-TRANSFERS_SHOWN = 24  # all-to-all transfers listed per step
+TRANSFERS_SHOWN = 24  # sending pairs of an all-to-all listed per step
 HOLDINGS_SHOWN = 64  # ranks listed in the holdings table
-ROW_RANGES = 4  # ranges of rows shown per rank or transfer of a row plan
+BOXES_SHOWN = 8  # boxes (a row plan: runs of rows) shown per rank
 PNG_MATRIX_CELLS = 512  # above this many ranks the heat map shows blocks of ranks
 
 
@@ -56,13 +55,13 @@ def step_matrix(p: Plan, step: Step) -> dict[tuple[int, int], int]:
     return dict(out)
 
 
-def transfer_matrix(p: Plan | RowPlan) -> dict[tuple[int, int], int]:
+def transfer_matrix(p: Plan) -> dict[tuple[int, int], int]:
     """``{(sender, receiver): bytes}`` over all steps of ``p``; pairs with no traffic absent
     (a row plan: its forward all-to-all)."""
-    return _account(p).matrix()
+    return _Account(p).matrix()
 
 
-def _ranks(p: Plan | RowPlan) -> list[int]:
+def _ranks(p: Plan) -> list[int]:
     return sorted(set(p.src.grid.ranks) | set(p.dst.grid.ranks))
 
 
@@ -70,17 +69,20 @@ def _coord(grid: Grid, rank: int) -> str:
     return " ".join(f"{a}{i}" for a, i in grid.coord(rank).items()) if rank in grid else "-"
 
 
-def src_tiling(p: Plan) -> Tiling:
+def src_tiling(p: Plan) -> Holdings:
     """What each rank holds under src, before any reduction (``p.hold`` is after it)."""
-    return Tiling.of(p.src, p.dims, dict(p.sizes))
+    return p.source
 
 
 def _region(p: Plan, boxes: tuple[Box, ...]) -> str:
-    return " + ".join(p.describe_box(b) for b in boxes) if boxes else "nothing"
+    if not boxes:
+        return "nothing"
+    more = f" + ... ({len(boxes)} boxes)" if len(boxes) > BOXES_SHOWN else ""
+    return " + ".join(p.describe_box(b) for b in boxes[:BOXES_SHOWN]) + more
 
 
 # -- text -----------------------------------------------------------------------------------
-def rank_table(p: Plan | RowPlan) -> str:
+def rank_table(p: Plan) -> str:
     """Per rank: coordinates on both grids, bytes sent and received, the lower bound."""
     rows = []
     for r in _ranks(p):
@@ -115,7 +117,7 @@ def _unit(largest: int) -> tuple[str, int]:
     return "B", 1
 
 
-def _matrix_text(p: Plan | RowPlan, matrix: dict[tuple[int, int], int]) -> str:
+def _matrix_text(p: Plan, matrix: dict[tuple[int, int], int]) -> str:
     if not matrix:
         return "transfer matrix: no rank sends anything"
     unit, scale = _unit(max(matrix.values()))
@@ -139,15 +141,21 @@ def _matrix_text(p: Plan | RowPlan, matrix: dict[tuple[int, int], int]) -> str:
 
 
 def _transfers_text(p: Plan) -> list[str]:
+    """Per exchange step, each sending pair: elements (a row plan: rows), bytes, boxes."""
     lines = []
     for i, step in enumerate(p.steps, 1):
         if not isinstance(step, Exchange):
             continue
-        lines.append(f"transfers of step {i} (sender -> receiver: region):")
-        for t in step.transfers[:TRANSFERS_SHOWN]:
-            lines.append(f"  {t.src} -> {t.dst}: {p.describe_box(t.box)}")
-        if len(step.transfers) > TRANSFERS_SHOWN:
-            lines.append(f"  ... {len(step.transfers) - TRANSFERS_SHOWN} more transfers")
+        pairs: dict[tuple[int, int], list[Box]] = defaultdict(list)
+        for t in step.transfers:
+            pairs[t.src, t.dst].append(t.box)
+        lines.append(f"transfers of step {i} (sender -> receiver: elements, bytes, region):")
+        for (s, d), boxes in list(pairs.items())[:TRANSFERS_SHOWN]:
+            n = sum(map(box_volume, boxes))
+            lines.append(f"  {s} -> {d}: {n} elements, {format_bytes(n * p.itemsize, 2)}: "
+                         f"{_region(p, tuple(boxes))}")
+        if len(pairs) > TRANSFERS_SHOWN:
+            lines.append(f"  ... {len(pairs) - TRANSFERS_SHOWN} more sending pairs")
     return lines
 
 
@@ -157,7 +165,7 @@ def _collectives_text(p: Plan) -> str:
     return "collectives: " + ", then ".join(step.summary() for step in p.steps)
 
 
-def _summary(p: Plan | RowPlan) -> str:
+def _summary(p: Plan) -> str:
     bound = p.max_lower_bound
     ratio = f"{p.max_recv / bound:.2f}" if bound else ("1.00" if not p.max_recv else "inf")
     worst = [r for r, n in p.bytes_recv.items() if n > p.lower_bound.get(r, 0)]
@@ -169,65 +177,9 @@ def _summary(p: Plan | RowPlan) -> str:
             f"{format_bytes(p.max_sent, 2)}/rank; total {format_bytes(p.total_bytes, 2)}{extra}")
 
 
-def _row_region(p: RowPlan, rows: Iterable[int]) -> str:
-    """Distinct global ``rows`` as ranges of the row dims, e.g. ``t[0:2] + t[5:7]``."""
-    from .rows import row_dims
-
-    dims = row_dims(p.src, p.dst)
-    name = dims[0] if len(dims) == 1 else f"({' '.join(dims)})"
-    ranges: list[list[int]] = []
-    for g in sorted(set(rows)):
-        if ranges and ranges[-1][1] == g:
-            ranges[-1][1] = g + 1
-        else:
-            ranges.append([g, g + 1])
-    text = " + ".join(f"{name}[{a}:{b}]" for a, b in ranges[:ROW_RANGES])
-    return text + (f" + ... ({len(ranges)} ranges)" if len(ranges) > ROW_RANGES else "")
-
-
-def _row_holdings(p: RowPlan) -> str:
-    ranks = _ranks(p)
-    rows = []
-    for r in ranks[:HOLDINGS_SHOWN]:
-        i = p.ranks.index(r) if r in p.ranks else None
-        held = [g for g in p.src_rows[i] if g >= 0] if i is not None else []
-        need = [g for g in p.dst_rows[i] if g >= 0] if i is not None else []
-        where = f": {_row_region(p, need)}" if need else ""
-        rows.append([r, _coord(p.src.grid, r),
-                     f"{len(held)} rows" + (f": {_row_region(p, held)}" if held else ""),
-                     _coord(p.dst.grid, r), f"{len(need)} rows ({len(set(need))} distinct, "
-                     f"{len(set(need) - set(held))} not held){where}"])
-    text = tabulate(rows, disable_numparse=True, tablefmt="simple",
-                    headers=["rank", "src coord", "holds", "dst coord", "needs"])
-    if len(ranks) > HOLDINGS_SHOWN:
-        text += f"\n... {len(ranks) - HOLDINGS_SHOWN} more ranks"
-    return text
-
-
-def _row_transfers_text(p: RowPlan) -> str:
-    """Each sending pair of the forward all-to-all: how many rows, bytes, which rows."""
-    pairs = sorted(p.pairs().items())
-    if not pairs:
-        return ""
-    lines = ["transfers of the all_to_all (sender -> receiver: rows, bytes, which rows):"]
-    for (s, d), n in pairs[:TRANSFERS_SHOWN]:
-        rows = p.sends[p.index(s)][p.index(d)]
-        lines.append(f"  {s} -> {d}: {n} rows, {format_bytes(n * p.row_bytes, 2)}: "
-                     f"{_row_region(p, rows)}")
-    if len(pairs) > TRANSFERS_SHOWN:
-        lines.append(f"  ... {len(pairs) - TRANSFERS_SHOWN} more transfers")
-    return "\n".join(lines)
-
-
-def _check_row_plan(p: RowPlan) -> None:
-    if p.src is None:
-        raise MimoFxError("explain needs the layouts of a row plan: plan it with "
-                          "mimo_fx.plan(src, dst, sizes)")
-
-
-def explain(p: Plan | RowPlan) -> str:
+def explain(p: Plan) -> str:
     """A readable account of ``p``: steps, holdings, transfer matrix, transfers, bytes."""
-    account = _account(p)
+    account = _Account(p)
     sections = [
         str(p),
         account.collectives(),
@@ -240,8 +192,8 @@ def explain(p: Plan | RowPlan) -> str:
     return "\n\n".join(s for s in sections if s) + "\n"
 
 
-class _BoxAccount:
-    """What explain and the picture say of a plan of boxes (steps of regions)."""
+class _Account:
+    """What explain and the picture say of a plan (a row plan's boxes: runs of rows)."""
 
     def __init__(self, p: Plan) -> None:
         self.p = p
@@ -267,38 +219,6 @@ class _BoxAccount:
         sizes = " ".join(f"{d}={n}" for d, n in p.sizes)
         return (_box_regions(p, src_tiling(p)), _box_regions(p, p.need), len(p.steps),
                 f"mimo_fx plan ({sizes}, {p.itemsize} B/elem): {_collectives_text(p)}")
-
-
-class _RowAccount:
-    """The same of a row plan: the rows each layout lists, one all-to-all each way."""
-
-    def __init__(self, p: RowPlan) -> None:
-        self.p = p
-
-    def matrix(self) -> dict[tuple[int, int], int]:
-        return {pair: n * self.p.row_bytes for pair, n in sorted(self.p.pairs().items())}
-
-    def collectives(self) -> str:
-        return f"collectives: one all_to_all over {len(self.p.ranks)} ranks each way"
-
-    def holdings(self) -> str:
-        _check_row_plan(self.p)
-        return _row_holdings(self.p)
-
-    def transfers(self) -> str:
-        return _row_transfers_text(self.p)
-
-    def picture(self) -> tuple[_Regions, _Regions, int, str]:
-        p = self.p
-        _check_row_plan(p)
-        return (_row_regions(p, p.src_rows), _row_regions(p, p.dst_rows), 1,
-                f"mimo_fx row plan ({p.n_rows} rows of {p.row_bytes} B): one all_to_all "
-                f"over {len(p.ranks)} ranks each way")
-
-
-def _account(p: Plan | RowPlan) -> _BoxAccount | _RowAccount:
-    """The one place explain asks which kind of plan it has."""
-    return _RowAccount(p) if isinstance(p, RowPlan) else _BoxAccount(p)
 
 
 # -- picture --------------------------------------------------------------------------------
@@ -335,18 +255,10 @@ def _arrangement(grid: Grid) -> tuple[int, int]:
 _Regions = Callable[[int], tuple[Hashable, list[str]]]  # rank -> (what it holds, its label)
 
 
-def _box_regions(p: Plan, tiling: Tiling) -> _Regions:
+def _box_regions(p: Plan, tiling: Holdings) -> _Regions:
     def of(rank: int) -> tuple[Hashable, list[str]]:
         boxes = tiling.boxes(rank)
         return boxes, [p.describe_box(b) for b in boxes]
-    return of
-
-
-def _row_regions(p: RowPlan, rows: tuple[tuple[int, ...], ...]) -> _Regions:
-    def of(rank: int) -> tuple[Hashable, list[str]]:
-        real = frozenset(g for g in rows[p.index(rank)] if g >= 0) if rank in p.ranks \
-            else frozenset()
-        return real, [f"{len(real)} rows", _row_region(p, real)] if real else []
     return of
 
 
@@ -379,7 +291,7 @@ def _rectangle(xy, w, h, colour, edge: bool):
     return Rectangle(xy, w, h, facecolor=colour, edgecolor="black", linewidth=0.5 if edge else 0)
 
 
-def _heat(p: Plan | RowPlan, matrix: dict[tuple[int, int], int]):
+def _heat(p: Plan, matrix: dict[tuple[int, int], int]):
     """The matrix as a dense array in ``unit`` (blocks of ranks when there are many)."""
     import numpy as np
 
@@ -394,14 +306,14 @@ def _heat(p: Plan | RowPlan, matrix: dict[tuple[int, int], int]):
     return dense / scale, unit, ranks, block
 
 
-def draw_png(p: Plan | RowPlan, path: str) -> None:
+def draw_png(p: Plan, path: str) -> None:
     """Draw ``p`` to ``path``: src grid, dst grid, and the rank x rank transfer heat map."""
     figure = _figure_class()
     _check_writable(path)
     import numpy as np
     from matplotlib import colormaps
 
-    held, needed, steps, headline = _account(p).picture()
+    held, needed, steps, headline = _Account(p).picture()
     fig = figure(figsize=(16, 5.5), layout="constrained")
     left, middle, right = fig.subplots(1, 3, width_ratios=[1, 1, 1.25])
     cmap = colormaps["tab20"]

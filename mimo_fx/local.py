@@ -10,83 +10,32 @@ permutes dims), and say where a global box sits inside the canonical view.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from itertools import product
 from math import prod
 
 import torch
 
 from .errors import MimoFxError
 from .layout import Layout
-from .regions import Box, Size, Tiling, intersect, ragged_bounds, shard_bounds, total
+from .regions import (
+    Box,
+    Size,
+    Tiling,
+    _check_ndim,
+    assemble,
+    box_slices,
+    from_canonical,
+    intersect,
+    local_shape,
+    ragged_bounds,
+    relative_slices,
+    shard_bounds,
+    to_canonical,
+    total,
+)
 
 __all__ = ["to_canonical", "from_canonical", "local_shape", "box_slices", "infer_sizes",
            "take", "assemble", "Store", "local_indices",
            "relative_slices"]
-
-
-def _extents(tiling: Tiling, rank: int) -> dict[str, int]:
-    return {d: sum(b - a for a, b in seg) for d, seg in zip(tiling.dims, tiling.segments(rank))}
-
-
-def local_shape(layout: Layout, tiling: Tiling, rank: int) -> tuple[int, ...]:
-    """The shape of ``rank``'s local tensor under ``layout``."""
-    ext = _extents(tiling, rank)
-    return tuple(prod(ext[f.dim] for f in group) for group in layout.local_dims)
-
-
-def _check_ndim(shape: tuple[int, ...], layout: Layout, rank: int) -> None:
-    if len(shape) != len(layout.local_dims):
-        raise MimoFxError(
-            f"rank {rank}: local tensor has {len(shape)} dims {tuple(shape)} but layout "
-            f"pattern {layout.pattern!r} has {len(layout.local_dims)} local dims; give one tensor "
-            f"dim per pattern group"
-        )
-
-
-def _check_shape(local: torch.Tensor, layout: Layout, tiling: Tiling, rank: int) -> None:
-    _check_ndim(tuple(local.shape), layout, rank)
-    expected = local_shape(layout, tiling, rank)
-    if tuple(local.shape) != expected:
-        sizes = {d: t.size for d, t in zip(tiling.dims, tiling.tilings)}
-        raise MimoFxError(
-            f"rank {rank}: local tensor has shape {tuple(local.shape)} but layout "
-            f"{layout.describe()!r} with global sizes {sizes} "
-            f"gives it shape {expected}; check the layout, the sizes, or the tensor"
-        )
-
-
-def to_canonical(local: torch.Tensor, layout: Layout, tiling: Tiling, rank: int) -> torch.Tensor:
-    """View ``rank``'s local tensor with one axis per dim, in ``tiling.dims`` order."""
-    _check_shape(local, layout, tiling, rank)
-    ext = _extents(tiling, rank)
-    expanded = local.reshape([ext[d] for d in layout.dims])
-    order = [layout.dims.index(d) for d in tiling.dims]
-    return expanded.permute(order)
-
-
-def from_canonical(canon: torch.Tensor, layout: Layout, dims: tuple[str, ...]) -> torch.Tensor:
-    """Inverse of :func:`to_canonical`: permute to pattern order and flatten groups."""
-    expanded = canon.permute([dims.index(d) for d in layout.dims])
-    ext = dict(zip(layout.dims, expanded.shape))
-    return expanded.reshape([prod(ext[f.dim] for f in g) for g in layout.local_dims])
-
-
-def box_slices(segments: tuple[tuple[tuple[int, int], ...], ...], box: Box) -> tuple[slice, ...]:
-    """Where the global ``box`` sits in a canonical view holding ``segments``.
-
-    The box must lie inside one segment per dim (plans guarantee it).
-    """
-    out = []
-    for segs, (lo, hi) in zip(segments, box):
-        offset = 0
-        for a, b in segs:
-            if a <= lo and hi <= b:
-                out.append(slice(offset + lo - a, offset + hi - a))
-                break
-            offset += b - a
-        else:
-            raise AssertionError(f"box {box} not inside segments {segments}")
-    return tuple(out)
 
 
 def _raise(ok, message) -> None:
@@ -205,11 +154,6 @@ def _local_extent(layout: Layout, factor, size: Size, rank: int) -> int:
 Store = list[tuple[Box, torch.Tensor]]
 
 
-def relative_slices(outer: Box, inner: Box) -> tuple[slice, ...]:
-    """Where ``inner`` sits inside a tensor holding ``outer``."""
-    return tuple(slice(lo - a, hi - a) for (a, _), (lo, hi) in zip(outer, inner))
-
-
 def take(store: Store, box: Box) -> torch.Tensor:
     """The values of ``box`` from stored ``(box, tensor)`` pieces: a view of the one piece
     containing it, else a copy assembled from several."""
@@ -222,28 +166,6 @@ def take(store: Store, box: Box) -> torch.Tensor:
         inter = intersect(box, held)
         if inter is not None:
             out[relative_slices(box, inter)] = tensor[relative_slices(held, inter)]
-    return out
-
-
-def assemble(store: Store, segments, dtype: torch.dtype, device, check: bool = False):
-    """A canonical tensor holding ``segments`` (per dim), filled from ``store``.
-
-    With ``check`` every element must be covered (an executor's self-test).
-    """
-    shape = [sum(b - a for a, b in seg) for seg in segments]
-    out = torch.empty(shape, dtype=dtype, device=device)
-    filled = torch.zeros(shape, dtype=torch.bool) if check else None
-    for box in product(*segments):
-        for held, tensor in store:
-            inter = intersect(box, held)
-            if inter is None:
-                continue
-            where = box_slices(segments, inter)
-            out[where] = tensor[relative_slices(held, inter)]
-            if filled is not None:
-                filled[where] = True
-    if filled is not None:
-        assert bool(filled.all()), "plan left part of a dst piece unfilled"
     return out
 
 

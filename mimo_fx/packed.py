@@ -540,6 +540,11 @@ class PackedLayout:
         return rank in self.grid
 
     @property
+    def partial(self) -> tuple[str, ...]:
+        """None: a packed batch holds values, never partial sums."""
+        return ()
+
+    @property
     def replicated(self) -> tuple[str, ...]:
         """Axes over which every rank holds the same rows (all but dp and cp)."""
         return tuple(a for a in self.grid.names if a not in (self.structure.cp,

@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cache, cached_property, lru_cache
 from math import prod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -62,10 +62,38 @@ from .text import format_bytes
 
 __all__ = [
     "Collective", "Transfer", "Step", "STEPS", "kind_of", "ReduceScatter", "AllReduce", "Reduce",
-    "Gather", "Exchange", "Plan", "RankPlan", "plan", "plan_for_rank", "backward_plan",
+    "Gather", "Exchange", "Plan", "RankPlan", "plan", "plan_for_rank", "backward_plan", "row_plans",
     "backward_layouts", "plan_groups", "plan_tilings", "check_sizes", "size_arguments",
     "format_bytes",
 ]
+
+
+# -- what a plan asks of its layouts and tilings, whichever their kind ----------------------
+class Side(Protocol):
+    """A plan's src or dst: a box :class:`~mimo_fx.layout.Layout`, a
+    :class:`~mimo_fx.packed.PackedLayout`, or rows given rank by rank
+    (:class:`~mimo_fx.rows.RowMap`)."""
+
+    @property
+    def grid(self) -> Any: ...
+    @property
+    def holders(self) -> tuple[int, ...]: ...
+    @property
+    def partial(self) -> tuple[str, ...]: ...
+    def holds(self, rank: int) -> bool: ...
+    def describe(self) -> str: ...
+
+
+class Holdings(Protocol):
+    """What every rank of a side holds or needs, in the plan's dims: a
+    :class:`~mimo_fx.regions.Tiling` of boxes, or a :class:`~mimo_fx.rows.RowTiling`
+    of runs of rows; a rank's piece loads into its boxes and assembles from them."""
+
+    def boxes(self, rank: int) -> tuple[Box, ...]: ...
+    def load(self, layout: Any, dims: tuple[str, ...], rank: int,
+             local: torch.Tensor) -> list[tuple[Box, torch.Tensor]]: ...
+    def assemble(self, layout: Any, dims: tuple[str, ...], rank: int,
+                 store: list[tuple[Box, torch.Tensor]], like: torch.Tensor) -> torch.Tensor: ...
 
 
 # -- the steps: one class per collective kind ----------------------------------------------
@@ -363,18 +391,25 @@ class _Schedule:
     """What a plan and one rank's part of it both are: the layouts, the sizes, the steps
     in issue order and the tilings of what every rank holds and needs."""
 
-    src: Layout
-    dst: Layout
+    src: Side
+    dst: Side
     dims: tuple[str, ...]
     sizes: tuple[tuple[str, Size], ...]  # ragged dims: their counts
     itemsize: int
     steps: tuple[Step, ...]
-    hold: Tiling = field(repr=False)
-    need: Tiling = field(repr=False)
+    hold: Holdings = field(repr=False)
+    need: Holdings = field(repr=False)
     reduced_axes: tuple[str, ...] = ()
+    before: Holdings | None = field(default=None, repr=False)  # hold before the reduction
 
     def __post_init__(self) -> None:
         _check_steps(self.steps)
+
+    @property
+    def source(self) -> Holdings:
+        """What each rank holds under src, before any reduction (:attr:`hold` is after
+        it)."""
+        return self.hold if self.before is None else self.before
 
 
 @dataclass(frozen=True, eq=False)
@@ -462,35 +497,22 @@ class Plan(_Schedule, Costs):
         """The ranks whose pieces it gives, in order: dst's holders."""
         return self.dst.holders
 
-    @cached_property
-    def _source(self) -> Tiling:
-        return Tiling.of(self.src, self.dims, dict(self.sizes))  # (before any reduction)
-
     def load(self, rank: int, local: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
-        """``rank``'s src piece as ``(box, values)`` pieces in the plan's dims, one per
-        box of its tiling."""
-        from itertools import product
-
-        from .local import box_slices, to_canonical
-
-        canon = to_canonical(local, self.src, self._source, rank)
-        segments = self._source.segments(rank)
-        return [(box, canon[box_slices(segments, box)]) for box in product(*segments)]
+        """``rank``'s src piece as ``(box, values)`` pieces in the plan's dims (its
+        tiling's boxes)."""
+        return self.source.load(self.src, self.dims, rank, local)
 
     def assemble(self, rank: int, store: list[tuple[Box, torch.Tensor]],
                  like: torch.Tensor) -> torch.Tensor:
         """``rank``'s dst piece from the boxes it holds (on ``like``'s device: CPU, or
         ``meta`` for shapes only)."""
-        from .local import assemble, from_canonical
-
-        out = assemble(store, self.need.segments(rank), like.dtype, like.device, check=True)
-        return from_canonical(out, self.dst, self.dims)
+        return self.need.assemble(self.dst, self.dims, rank, store, like)
 
     def for_rank(self, rank: int) -> RankPlan:
         """The part of this plan ``rank`` takes part in (see :class:`RankPlan`)."""
         return RankPlan(self.src, self.dst, self.dims, self.sizes, self.itemsize,
                         tuple(s.restrict(rank) for s in self.steps), self.hold, self.need,
-                        self.reduced_axes, rank)
+                        self.reduced_axes, self.before, rank=rank)
 
     # -- printing ------------------------------------------------------------------------
     @property
@@ -550,8 +572,8 @@ def plan(src: Layout, dst: Layout, sizes: Mapping[str, Size], dtype=None, *,
     """
     from .rows import is_row_layout, plan_layouts
 
-    if is_row_layout(src) or is_row_layout(dst):
-        return plan_layouts(src, dst, sizes, _itemsize(dtype))  # type: ignore[return-value]
+    if is_row_layout(src) or is_row_layout(dst):  # routed by the row router
+        return row_plans(plan_layouts(src, dst, sizes, _itemsize(dtype)))[0]
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise MimoFxError(f"plan needs two layouts, got {src!r} and {dst!r}; build them "
                           f"with Layout(Grid(...), \"(dp b) s h\") (or PackedLayout)")
@@ -590,15 +612,47 @@ def backward_plan(
     """The adjoint plan: dst cotangents -> src* (src with partial axes replicated).
 
     Cotangents on dst's replicated axes are taken as consistent, except over the axes in
-    ``grad_partial``, where each replica holds a contribution and they are summed. For
-    a packed layout on a side, the row plan holding both directions.
+    ``grad_partial``, where each replica holds a contribution and they are summed.
     """
     from .rows import is_row_layout, plan_layouts
 
-    if is_row_layout(src) or is_row_layout(dst):
-        return plan_layouts(src, dst, sizes, _itemsize(dtype),  # type: ignore[return-value]
-                            tuple(grad_partial))
+    if is_row_layout(src) or is_row_layout(dst):  # routed by the row router
+        return row_plans(plan_layouts(src, dst, sizes, _itemsize(dtype),
+                                      tuple(grad_partial)))[1]
     return plan(*backward_layouts(src, dst, grad_partial), sizes, dtype)
+
+
+def row_plans(routing: Any) -> tuple[Plan, Plan]:
+    """Both directions of the row router's ``routing`` (:class:`~mimo_fx.rows.RowRouting`)
+    as plans: forward, every rank's src rows to its dst rows; backward, the counted ranks'
+    cotangents (each distinct row summed) to every holder of each row. One dim, the rows
+    (its element a row of ``routing.row_bytes``; a box, a run of rows), what each rank
+    holds a :class:`~mimo_fx.rows.RowTiling`, and one exchange of runs of rows over the
+    routing's ranks each way."""
+    from .rows import RowMap, RowTiling
+
+    r = routing
+    src = r.src if r.src is not None else RowMap(dict(zip(r.ranks, r.src_rows)))
+    dst = r.dst if r.dst is not None else RowMap(dict(zip(r.ranks, r.dst_rows)))
+    held = RowTiling(dict(zip(r.ranks, r.src_rows)))
+    used = RowTiling(dict(zip(r.ranks, r.dst_rows)))
+    counted = RowTiling({rank: rows if rank in r.counted else (-1,) * len(rows)
+                         for rank, rows in zip(r.ranks, r.dst_rows)})
+    dims, sizes = (r.dim_name,), ((r.dim_name, r.n_rows),)
+    return (Plan(src, dst, dims, sizes, r.row_bytes, (_row_exchange(r.ranks, r.sends),),
+                 held, used),
+            Plan(dst, src, dims, sizes, r.row_bytes,
+                 (_row_exchange(r.ranks, r.backward_sends),), counted, held))
+
+
+def _row_exchange(ranks: tuple[int, ...], sends) -> Exchange:
+    """``sends[i][j]`` (the rising rows ``ranks[i]`` sends ``ranks[j]``) as one exchange:
+    a transfer per run ``[a, b)`` of consecutive rows."""
+    from .rows import runs
+
+    return Exchange(tuple(Transfer(s, d, (run,)) for i, s in enumerate(ranks)
+                          for j, d in enumerate(ranks) for run in runs(sends[i][j])),
+                    ranks)
 
 
 def backward_layouts(src: Layout, dst: Layout, grad_partial=()) -> tuple[Layout, Layout]:
@@ -1040,7 +1094,7 @@ def _plan(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...], itemsiz
           all_to_all: bool = False) -> Plan:
     f = _frame(src, dst, sizes, all_to_all)
     return Plan(src, dst, f.dims, sizes, itemsize, _steps(f, None), f.hold, f.need,
-                f.reduce_axes)
+                f.reduce_axes, f.before)
 
 
 @lru_cache(maxsize=256)
@@ -1049,7 +1103,7 @@ def _rank_plan(src: Layout, dst: Layout, sizes: tuple[tuple[str, Size], ...], it
                rank: int, all_to_all: bool = False) -> RankPlan:
     f = _frame(src, dst, sizes, all_to_all)
     return RankPlan(src, dst, f.dims, sizes, itemsize, _steps(f, rank), f.hold, f.need,
-                    f.reduce_axes, rank)
+                    f.reduce_axes, f.before, rank=rank)
 
 
 def clear_caches() -> None:

@@ -27,7 +27,9 @@ from .grid import Grid
 from .layout import Layout
 
 __all__ = ["split_bounds", "chunk_bounds", "shard_bounds", "ragged_bounds", "DimTiling",
-           "Tiling", "Box", "box_volume", "intersect", "total", "Size", "check_counts"]
+           "Tiling", "Box", "box_volume", "intersect", "total", "Size", "check_counts",
+           "to_canonical", "from_canonical", "local_shape", "box_slices", "relative_slices",
+           "assemble"]
 
 Interval = tuple[int, int]
 Box = tuple[Interval, ...]
@@ -427,6 +429,19 @@ class Tiling:
                                        ragged))
         return Tiling(layout.grid, dims, tuple(tilings), layout.at)
 
+    def load(self, layout: Layout, dims: tuple[str, ...], rank: int, local) -> list:
+        """``rank``'s piece of ``layout`` as ``(box, values)`` pieces in canonical
+        ``dims``, one per box it holds."""
+        canon = to_canonical(local, layout, self, rank)
+        segments = self.segments(rank)
+        return [(box, canon[box_slices(segments, box)]) for box in product(*segments)]
+
+    def assemble(self, layout: Layout, dims: tuple[str, ...], rank: int, store: list, like):
+        """``rank``'s piece of ``layout`` from stored ``(box, values)`` pieces holding
+        what it needs (on ``like``'s dtype and device)."""
+        out = assemble(store, self.segments(rank), like.dtype, like.device, check=True)
+        return from_canonical(out, layout, dims)
+
     @cached_property
     def owning_axes(self) -> frozenset[str]:
         return frozenset(a for t in self.tilings for a in t.axes)
@@ -562,3 +577,97 @@ def check_counts(layout: Layout, dim: str, size: Size) -> None:
         if isinstance(c, bool) or not isinstance(c, int) or c < 0:
             raise MimoFxError(f"in layout {layout.describe()!r}: counts {dim}={size!r} must "
                               f"be non-negative integers")
+
+
+# -- a rank's local tensor as a canonical view, and back -----------------------------------
+def _extents(tiling: Tiling, rank: int) -> dict[str, int]:
+    return {d: sum(b - a for a, b in seg) for d, seg in zip(tiling.dims, tiling.segments(rank))}
+
+
+def local_shape(layout: Layout, tiling: Tiling, rank: int) -> tuple[int, ...]:
+    """The shape of ``rank``'s local tensor under ``layout``."""
+    ext = _extents(tiling, rank)
+    return tuple(prod(ext[f.dim] for f in group) for group in layout.local_dims)
+
+
+def _check_ndim(shape: tuple[int, ...], layout: Layout, rank: int) -> None:
+    if len(shape) != len(layout.local_dims):
+        raise MimoFxError(
+            f"rank {rank}: local tensor has {len(shape)} dims {tuple(shape)} but layout "
+            f"pattern {layout.pattern!r} has {len(layout.local_dims)} local dims; give one tensor "
+            f"dim per pattern group"
+        )
+
+
+def _check_shape(local: torch.Tensor, layout: Layout, tiling: Tiling, rank: int) -> None:
+    _check_ndim(tuple(local.shape), layout, rank)
+    expected = local_shape(layout, tiling, rank)
+    if tuple(local.shape) != expected:
+        sizes = {d: t.size for d, t in zip(tiling.dims, tiling.tilings)}
+        raise MimoFxError(
+            f"rank {rank}: local tensor has shape {tuple(local.shape)} but layout "
+            f"{layout.describe()!r} with global sizes {sizes} "
+            f"gives it shape {expected}; check the layout, the sizes, or the tensor"
+        )
+
+
+def to_canonical(local: torch.Tensor, layout: Layout, tiling: Tiling, rank: int) -> torch.Tensor:
+    """View ``rank``'s local tensor with one axis per dim, in ``tiling.dims`` order."""
+    _check_shape(local, layout, tiling, rank)
+    ext = _extents(tiling, rank)
+    expanded = local.reshape([ext[d] for d in layout.dims])
+    order = [layout.dims.index(d) for d in tiling.dims]
+    return expanded.permute(order)
+
+
+def from_canonical(canon: torch.Tensor, layout: Layout, dims: tuple[str, ...]) -> torch.Tensor:
+    """Inverse of :func:`to_canonical`: permute to pattern order and flatten groups."""
+    expanded = canon.permute([dims.index(d) for d in layout.dims])
+    ext = dict(zip(layout.dims, expanded.shape))
+    return expanded.reshape([prod(ext[f.dim] for f in g) for g in layout.local_dims])
+
+
+def box_slices(segments: tuple[tuple[tuple[int, int], ...], ...], box: Box) -> tuple[slice, ...]:
+    """Where the global ``box`` sits in a canonical view holding ``segments``.
+
+    The box must lie inside one segment per dim (plans guarantee it).
+    """
+    out = []
+    for segs, (lo, hi) in zip(segments, box):
+        offset = 0
+        for a, b in segs:
+            if a <= lo and hi <= b:
+                out.append(slice(offset + lo - a, offset + hi - a))
+                break
+            offset += b - a
+        else:
+            raise AssertionError(f"box {box} not inside segments {segments}")
+    return tuple(out)
+
+
+def relative_slices(outer: Box, inner: Box) -> tuple[slice, ...]:
+    """Where ``inner`` sits inside a tensor holding ``outer``."""
+    return tuple(slice(lo - a, hi - a) for (a, _), (lo, hi) in zip(outer, inner))
+
+
+def assemble(store: list[tuple[Box, torch.Tensor]], segments, dtype: torch.dtype, device,
+             check: bool = False):
+    """A canonical tensor holding ``segments`` (per dim), filled from ``store``.
+
+    With ``check`` every element must be covered (an executor's self-test).
+    """
+    shape = [sum(b - a for a, b in seg) for seg in segments]
+    out = torch.empty(shape, dtype=dtype, device=device)
+    filled = torch.zeros(shape, dtype=torch.bool) if check else None
+    for box in product(*segments):
+        for held, tensor in store:
+            inter = intersect(box, held)
+            if inter is None:
+                continue
+            where = box_slices(segments, inter)
+            out[where] = tensor[relative_slices(held, inter)]
+            if filled is not None:
+                filled[where] = True
+    if filled is not None:
+        assert bool(filled.all()), "plan left part of a dst piece unfilled"
+    return out

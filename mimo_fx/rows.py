@@ -43,11 +43,11 @@ import torch
 
 from .costs import Costs
 from .errors import MimoFxError
-from .exchange import Transfer
-from .plan import Exchange, Step
+from .grid import Grid
+from .regions import Box
 
-__all__ = ["RankRoute", "RowPlan", "RowSchedule", "plan_rows", "layout_rows", "seed_bytes",
-           "ROUTE_INDEX", "route_tensors"]
+__all__ = ["RankRoute", "RowRouting", "RowTiling", "RowMap", "plan_rows", "layout_rows",
+           "seed_bytes", "ROUTE_INDEX", "route_tensors"]
 
 Ints = tuple[int, ...]
 
@@ -102,7 +102,7 @@ def route_tensors(route: RankRoute, device=None) -> tuple[tuple[torch.Tensor, ..
     return index, torch.tensor(route.counts, dtype=torch.int64)
 
 
-def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
+def runs(rows: Sequence[int]) -> list[tuple[int, int]]:
     """Rising distinct rows as maximal runs ``[a, b)`` of consecutive ones."""
     out: list[tuple[int, int]] = []
     for g in rows:
@@ -113,51 +113,45 @@ def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _exchange(ranks: Ints, sends: Sequence[Sequence[Sequence[int]]]) -> Exchange:
-    """``sends[i][j]`` (rising rows ``ranks[i]`` sends ``ranks[j]``) as one exchange of
-    row runs: each transfer's box is a run ``[a, b)`` of global rows."""
-    return Exchange(tuple(Transfer(s, d, (run,)) for i, s in enumerate(ranks)
-                          for j, d in enumerate(ranks) for run in _runs(sends[i][j])),
-                    ranks)
-
-
 @dataclass(frozen=True, eq=False)
-class RowSchedule:
-    """One direction of a row plan, as the reference executor runs every plan: each
-    input rank loads its rows (:meth:`load`), the steps deliver runs of rows (one
-    :class:`~mimo_fx.plan.Exchange` whose boxes are runs ``[a, b)`` of global rows), and
-    each output rank assembles its piece (:meth:`assemble`).
+class RowTiling:
+    """What each rank of a row plan holds or needs, as a plan's tiling: ``rows[rank]``
+    gives, per local row of the rank's piece, its global row (-1: padding, or a cotangent
+    that does not count). Its boxes are runs ``[a, b)`` of distinct global rows, in the
+    plan's one dim (the rows); a piece loads into them and assembles from them."""
 
-    ``loads[i]``: per local row of ``inputs[i]``'s piece, the global row it holds (-1:
-    padding, or a cotangent that does not count); ``rows[j]``: per local row of
-    ``outputs[j]``'s piece, the global row it takes (-1: padding, left zero).
-    """
+    rows: Mapping[int, Ints]
 
-    inputs: Ints
-    outputs: Ints
-    loads: tuple[Ints, ...]
-    rows: tuple[Ints, ...]
-    steps: tuple[Step, ...]
+    def boxes(self, rank: int) -> tuple[Box, ...]:
+        """The runs of distinct rows ``rank`` holds, rising."""
+        return tuple((run,) for run in runs(sorted({g for g in self.rows.get(rank, ())
+                                                     if g >= 0})))
 
-    def load(self, rank: int, local: torch.Tensor) -> list:
+    def load(self, layout, dims, rank: int, local: torch.Tensor) -> list:
         """``rank``'s piece as ``(run, rows)`` pieces, one per run of the distinct rows it
         holds (a row held at several local rows: their sum, as the adjoint of a dst piece
         that uses a row twice)."""
-        rows = torch.tensor(self.loads[self.inputs.index(rank)], dtype=torch.int64)
+        rows = torch.tensor(self.rows.get(rank, ()), dtype=torch.int64)
+        if not isinstance(local, torch.Tensor) or local.dim() == 0 \
+                or local.shape[0] != len(rows):
+            shape = tuple(local.shape) if isinstance(local, torch.Tensor) else local
+            raise MimoFxError(f"rank {rank} holds {len(rows)} src rows under this plan, so "
+                              f"its src piece must be ({len(rows)}, *row_shape); got {shape}")
         keep = torch.nonzero(rows >= 0).flatten().to(local.device)
         distinct, slot = torch.unique(rows[rows >= 0], sorted=True, return_inverse=True)
         sums = local.new_zeros((len(distinct), *local.shape[1:])).index_add(
             0, slot.to(local.device), local.index_select(0, keep))
         out, at = [], 0
-        for a, b in _runs(distinct.tolist()):
+        for a, b in runs(distinct.tolist()):
             out.append((((a, b),), sums[at:at + b - a]))
             at += b - a
         return out
 
-    def assemble(self, rank: int, store: list, like: torch.Tensor) -> torch.Tensor:
+    def assemble(self, layout, dims, rank: int, store: list, like: torch.Tensor
+                 ) -> torch.Tensor:
         """``rank``'s piece: each local row the sum of the stored runs holding its row
         (one run but for a src gradient, which every user of the row sends)."""
-        rows = torch.tensor(self.rows[self.outputs.index(rank)], dtype=torch.int64)
+        rows = torch.tensor(self.rows.get(rank, ()), dtype=torch.int64)
         out = like.new_zeros((len(rows), *like.shape[1:]))
         for ((a, b),), values in store:
             at = torch.nonzero((rows >= a) & (rows < b)).flatten()
@@ -168,7 +162,31 @@ class RowSchedule:
 
 
 @dataclass(frozen=True, eq=False)
-class RowPlan(Costs):
+class RowMap:
+    """A layout given rank by rank as global rows (:func:`plan_rows`'s maps): it holds
+    nothing else, so it serves a plan between two of them."""
+
+    rows: Mapping[int, Ints]
+
+    @property
+    def holders(self) -> Ints:
+        return tuple(self.rows)
+
+    @property
+    def grid(self) -> Grid:
+        return Grid(r=max(self.rows, default=0) + 1)
+
+    partial: tuple[str, ...] = ()
+
+    def holds(self, rank: int) -> bool:
+        return rank in self.rows
+
+    def describe(self) -> str:
+        return f"rows of ranks {list(self.rows)}"
+
+
+@dataclass(frozen=True, eq=False)
+class RowRouting(Costs):
     """Who sends which rows to whom, both directions (see the module docstring).
 
     ``src_rows``/``dst_rows``: per rank of :attr:`ranks`, the global row of each local
@@ -200,7 +218,7 @@ class RowPlan(Costs):
         return _holders(self.ranks, self.src_rows, self.n_rows)
 
     @cached_property
-    def _backward_sends(self) -> list[list[list[int]]]:
+    def backward_sends(self) -> list[list[list[int]]]:
         """``[i][j]``: the distinct rows counted rank ``ranks[i]`` sends holder
         ``ranks[j]`` backward (not itself)."""
         holders = self._holders
@@ -227,7 +245,7 @@ class RowPlan(Costs):
         counted = rank in self.counted
         distinct = sorted({dst[k] for k in real}) if counted else []
         slot = {g: k for k, g in enumerate(distinct)}
-        bsends = self._backward_sends
+        bsends = self.backward_sends
         bsend_rows = [[g for g in distinct if g in local] if j == i else bsends[i][j]
                       for j in range(len(self.ranks))]
         came = [bsends[j][i] if j != i else bsend_rows[i] for j in range(len(self.ranks))]
@@ -246,21 +264,13 @@ class RowPlan(Costs):
             brecv_counts=tuple(len(rows) for rows in came),
             recv_local=tuple(local[g] for rows in came for g in rows), n_src=len(src))
 
-    def schedule(self, direction: str = "forward") -> RowSchedule:
-        """One direction as the reference executor runs it: forward, every rank's src
-        rows to its dst rows; backward, the counted ranks' cotangents (each distinct row
-        summed) to every holder of each row."""
-        return self._schedules[_direction(direction)]
-
-    @cached_property
-    def _schedules(self) -> tuple[RowSchedule, RowSchedule]:
-        none = tuple((-1,) * len(rows) for rows in self.dst_rows)
-        counted = tuple(rows if r in self.counted else no
-                        for r, rows, no in zip(self.ranks, self.dst_rows, none))
-        return (RowSchedule(self.ranks, self.ranks, self.src_rows, self.dst_rows,
-                            (_exchange(self.ranks, self.sends),)),
-                RowSchedule(self.ranks, self.ranks, counted, self.src_rows,
-                            (_exchange(self.ranks, self._backward_sends),)))
+    @property
+    def dim_name(self) -> str:
+        """Its plans' one dim: the rows (the row dims flattened, as ``(b s)``)."""
+        if self.src is None or self.dst is None:
+            return "rows"
+        dims = row_dims(self.src, self.dst)
+        return dims[0] if len(dims) == 1 else f"({' '.join(dims)})"
 
     # -- cost ---------------------------------------------------------------------------
     def received(self, direction: str = "forward") -> dict[int, int]:
@@ -278,7 +288,7 @@ class RowPlan(Costs):
             rows = [[len(self.sends[i][j]) for j in range(len(self.ranks))]
                     for i in range(len(self.ranks))]
         else:
-            rows = [[len(s) for s in per] for per in self._backward_sends]
+            rows = [[len(s) for s in per] for per in self.backward_sends]
         if received:
             rows = [list(col) for col in zip(*rows)]
         return [tuple(r) for r in rows]
@@ -414,7 +424,7 @@ def layout_rows(layout, sizes: Mapping[str, object], rows: Sequence[str]
 
 # -- the planner --------------------------------------------------------------------------
 def plan_rows(src_rows: Mapping[int, object], dst_rows: Mapping[int, object],
-              n_rows: int, counted=None, row_bytes: int = 4) -> RowPlan:
+              n_rows: int, counted=None, row_bytes: int = 4) -> RowRouting:
     """The plan moving the rows ``dst_rows`` needs from the ranks ``src_rows`` says hold
     them (both ``{rank: global row of each local row}``, ``-1`` a padding row; a rank
     missing from one mapping holds, or needs, nothing). ``counted``: the dst ranks
@@ -433,7 +443,7 @@ def plan_rows(src_rows: Mapping[int, object], dst_rows: Mapping[int, object],
     sender = _choose_senders(ranks, srcs, dsts, holders, n)
     sends = _sends(ranks, srcs, dsts, sender)
     counted_set = frozenset(dst) if counted is None else frozenset(counted) & frozenset(dst)
-    return RowPlan(n, ranks, srcs, dsts, counted_set, sender, sends, row_bytes)
+    return RowRouting(n, ranks, srcs, dsts, counted_set, sender, sends, row_bytes)
 
 
 def _sends(ranks: Ints, srcs: tuple[Ints, ...], dsts: tuple[Ints, ...],
@@ -616,7 +626,7 @@ def check_row_sizes(src, dst, sizes: Mapping[str, object]) -> dict[str, object]:
 
 
 def plan_layouts(src, dst, sizes: Mapping[str, object], itemsize: int = 4,
-                 grad_partial: tuple[str, ...] = ()) -> RowPlan:
+                 grad_partial: tuple[str, ...] = ()) -> RowRouting:
     """The row plan from layout ``src`` to layout ``dst`` (one of them a row layout,
     the other a row layout or a box layout whose leading dims are the rows)."""
     from .regions import total

@@ -4,9 +4,9 @@ Each rank's *store* is a list of ``(box, tensor)`` pieces in the plan's dims. Th
 executor asks the plan to load every input rank's piece into its store, applies the
 plan's steps by copying (or summing) the boxes each step delivers
 (:meth:`~mimo_fx.plan.Step.deliveries`, the same for every kind), then asks the plan to
-assemble every output rank's piece. It decides nothing, and asks no plan its kind: a box
-plan's boxes are boxes of the tensor, a row plan's (:class:`~mimo_fx.rows.RowSchedule`)
-runs of its rows, and each plan loads and assembles its own.
+assemble every output rank's piece. It decides nothing, and asks no plan its kind: a
+plan's tilings load and assemble pieces (a plan between box layouts: boxes of the
+tensor; one with a packed layout on a side: runs of its rows, :class:`~mimo_fx.rows.RowTiling`).
 """
 
 from __future__ import annotations
@@ -18,19 +18,25 @@ import torch
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
 from mimo_fx.local import Store, infer_sizes, take
-from mimo_fx.plan import Plan, Step, backward_plan, kind_of, plan, size_arguments
+from mimo_fx.plan import (
+    Plan,
+    Step,
+    backward_plan,
+    kind_of,
+    plan,
+    row_plans,
+    size_arguments,
+)
 from mimo_fx.regions import Box
-from mimo_fx.rows import RowPlan, RowSchedule, is_row_layout
+from mimo_fx.rows import RowRouting, is_row_layout
 from mimo_fx.vjp import apply
 
 __all__ = ["ReferenceExecutor", "redistribute", "run_rows"]
 
 class ReferenceExecutor:
-    """Executes a plan on a tuple of pieces, one per input rank of the plan, in order:
-    a box plan (:class:`~mimo_fx.plan.Plan`) or a direction of a row plan
-    (:class:`~mimo_fx.rows.RowSchedule`), alike."""
+    """Executes a plan on a tuple of pieces, one per input rank of the plan, in order."""
 
-    def run(self, plan: Plan | RowSchedule, tensors: tuple[torch.Tensor, ...],
+    def run(self, plan: Plan, tensors: tuple[torch.Tensor, ...],
             env: dict | None = None, *, direction: str = "forward"
             ) -> tuple[torch.Tensor, ...]:
         stores: dict[int, Store] = {rank: plan.load(rank, local)
@@ -74,20 +80,23 @@ def redistribute(
 ) -> dict[int, torch.Tensor]:
     """Redistribute every src rank's piece to every dst rank, through the custom vjp.
 
-    ``pieces`` must hold exactly the src holders' local tensors; the result holds the dst
-    holders'. Global sizes (``sizes={dim: n}`` and size keywords) are inferred from the
-    pieces unless given; a keyword that is not a dim raises.
+    ``pieces`` must hold exactly the src holders' local tensors (a packed layout's
+    ranks holding no rows may be left out); the result holds the dst holders'. Global
+    sizes (``sizes={dim: n}`` and size keywords) are inferred from the pieces unless
+    given; a keyword that is not a dim raises.
     """
     given = size_arguments(src, dst, sizes, dim_sizes, "redistribute (reference backend)",
                            ("sizes", "grad_partial"))
-    if is_row_layout(src) or is_row_layout(dst):
-        return _redistribute_rows(pieces, src, dst, given, tuple(grad_partial))
-    holders = src.holders
-    missing = [r for r in holders if r not in pieces]
-    extra = [r for r in pieces if r not in holders]
+    rows = is_row_layout(src) or is_row_layout(dst)
+    # (a packed layout's ranks holding no rows may be left out: checked when loaded)
+    missing = [] if is_row_layout(src) else [r for r in src.holders if r not in pieces]
+    extra = [r for r in pieces if not src.holds(r)]
     if missing or extra:
         raise MimoFxError(f"redistribute: src {src.describe()!r} on {src.grid!r} is held by "
-                          f"ranks {list(holders)}; pieces miss {missing} and have extra {extra}")
+                          f"ranks {list(src.holders)}; pieces miss {missing} and have extra "
+                          f"{extra}")
+    if not pieces:
+        raise MimoFxError("redistribute (reference backend): no pieces given")
     dtypes = {t.dtype for t in pieces.values()}
     if len(dtypes) != 1:
         raise MimoFxError(f"redistribute: pieces have mixed dtypes {sorted(map(str, dtypes))}")
@@ -97,39 +106,45 @@ def redistribute(
         raise MimoFxError(f"redistribute: pieces are on several devices "
                           f"{sorted(map(str, devices))}; the reference backend runs every "
                           f"rank in one process: move them to one device (e.g. .cpu())")
-    full = infer_sizes(src, {r: tuple(pieces[r].shape) for r in holders}, given)
+    if rows:
+        full = _row_sizes(pieces, src, dst, given)
+    else:
+        full = infer_sizes(src, {r: tuple(pieces[r].shape) for r in src.holders}, given)
     fwd = plan(src, dst, full, dtype)
     bwd = backward_plan(src, dst, full, dtype, grad_partial)
-    out = apply(_EXECUTOR, fwd, bwd, tuple(pieces[r] for r in holders))
-    return dict(zip(dst.holders, out))
+    return _run(fwd, bwd, pieces)
 
 
-def _redistribute_rows(pieces: dict, src, dst, given: dict, grad_partial: tuple) -> dict:
-    """A row plan (a packed layout on a side) for every rank: sizes from the pieces and
-    the layouts, the plan run by :func:`run_rows`."""
-    from mimo_fx.rows import check_row_sizes, plan_layouts, row_dims
+def _row_sizes(pieces: Mapping[int, torch.Tensor], src, dst, given: dict) -> dict:
+    """Every size of a row plan (a packed layout on a side): the features' from the
+    pieces, the rows' from the layouts or the box side's pieces."""
+    from mimo_fx.rows import check_row_sizes, row_dims
 
-    like = next(iter(pieces.values()), None)
-    if like is None:
-        raise MimoFxError("redistribute (reference backend): no pieces given")
+    like = next(iter(pieces.values()))
     rows = row_dims(src, dst)
     features = [d for d in src.dims if d not in rows]
     sizes = dict(given)
     for d, n in zip(features, like.shape[1:]):
         sizes.setdefault(d, int(n))
     if not is_row_layout(src):
-        sizes = {**infer_sizes(src, {r: tuple(pieces[r].shape) for r in src.holders
-                                     if r in pieces}, sizes)}
-    full = check_row_sizes(src, dst, sizes)
-    p = plan_layouts(src, dst, full, like.dtype.itemsize, grad_partial)
-    out = run_rows(p, {r: t for r, t in pieces.items()})
-    return {r: out[r] for r in dst.holders}
+        sizes = {**infer_sizes(src, {r: tuple(pieces[r].shape) for r in src.holders}, sizes)}
+    return check_row_sizes(src, dst, sizes)
 
 
-def run_rows(plan: RowPlan, pieces: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Every rank's dst piece from every rank's src piece under a row plan (a rank of
-    the plan missing from ``pieces`` must hold no src rows), through the custom vjp:
-    differentiable, ``loss.backward()`` and ``torch.func`` run the plan's backward.
+def _run(fwd: Plan, bwd: Plan, pieces: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """``fwd`` through the custom vjp (its backward ``bwd``): every output rank's piece
+    from the input ranks' pieces (one holding nothing may be missing: an empty piece)."""
+    like = next(iter(pieces.values()))
+    empty = like.new_zeros((0, *like.shape[1:]))
+    out = apply(_EXECUTOR, fwd, bwd, tuple(pieces.get(r, empty) for r in fwd.inputs))
+    return dict(zip(fwd.outputs, out))
+
+
+def run_rows(routing: RowRouting, pieces: Mapping[int, torch.Tensor]
+             ) -> dict[int, torch.Tensor]:
+    """Every rank's dst piece from every rank's src piece under a row routing (a rank
+    of it missing from ``pieces`` must hold no src rows): its two plans
+    (:func:`~mimo_fx.plan.row_plans`) through the custom vjp, so differentiable.
 
     >>> from mimo_fx.rows import plan_rows
     >>> p = plan_rows({0: [0, 1], 1: [2, 3]}, {0: [3, 0, 3], 1: [1, -1]}, n_rows=4)
@@ -141,25 +156,11 @@ def run_rows(plan: RowPlan, pieces: Mapping[int, torch.Tensor]) -> dict[int, tor
     >>> x.grad.flatten().tolist()
     [1.0, 1.0, 0.0, 2.0]
     """
-    like = next(iter(pieces.values()), None)
-    if like is None:
+    if not pieces:
         raise MimoFxError("a row plan in one process needs at least one src piece (for the "
                           "dtype and row shape)")
-    strangers = sorted(set(pieces) - set(plan.ranks))
+    strangers = sorted(set(pieces) - set(routing.ranks))
     if strangers:
         raise MimoFxError(f"got pieces for ranks {strangers} that take no part in the plan; "
-                          f"its ranks are {plan.ranks}")
-    tensors = []
-    for r in plan.ranks:
-        x = pieces.get(r)
-        if x is None:
-            x = like.new_zeros((0, *like.shape[1:]))
-        want = len(plan.src_rows[plan.index(r)])
-        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != want:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else x
-            raise MimoFxError(f"rank {r} holds {want} src rows under this plan, so its src "
-                              f"piece must be ({want}, *row_shape); got {shape}")
-        tensors.append(x)
-    out = apply(_EXECUTOR, plan.schedule("forward"), plan.schedule("backward"),
-                tuple(tensors))
-    return dict(zip(plan.ranks, out))
+                          f"its ranks are {routing.ranks}")
+    return _run(*row_plans(routing), pieces)

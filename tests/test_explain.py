@@ -111,7 +111,7 @@ def test_explain_lists_transfers_of_an_all_to_all(capsys):
             "--dst-grid", "tp=2,cp=2,dp=2,offset=8", "--sizes", "b=8,s=64,h=32"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "transfers of step 1 (sender -> receiver: region):" in out
+    assert "transfers of step 1 (sender -> receiver: elements, bytes, region):" in out
     # dst replica dp0 (ranks 8-11) takes samples 0:4 from src dp0's last stage (ranks 2, 3)
     pieces = re.findall(r"^  (\d+) -> (\d+): ", out, flags=re.M)
     assert pieces and all(int(d) in range(8, 12) for s, d in pieces if int(s) in (2, 3))
@@ -178,18 +178,21 @@ def test_row_plan_lists_rows_per_transfer_and_draws(tmp_path):
 
     src = Layout(Grid(dp=2), "(dp t) h", ragged="dp")
     dst = PackedLayout(Grid(cp=2, offset=2), "t h", [[5, 6]])
-    text = explain(plan(src, dst, {"t": (5, 6), "h": 4}, F32))
+    p = plan(src, dst, {"t": (5, 6), "h": 4}, F32)
+    text = explain(p)
+    assert "(t=11, 16 B/elem)" in text  # one dim, the rows: an element is a row
     held = {0: set(range(5)), 1: set(range(5, 11))}
     for c in range(2):
         need = set(_zigzag_tokens([5, 6], 2, c))
-        assert f"{len(need)} rows ({len(need)} distinct, {len(need)} not held)" in text
+        assert p.lower_bound[2 + c] == len(need) * 4 * F32  # none of it held
         for s in (0, 1):
             rows = sorted(need & held[s])
-            line = re.search(rf"^  {s} -> {2 + c}: (\d+) rows, (\d+) B: ", text, flags=re.M)
+            line = re.search(rf"^  {s} -> {2 + c}: (\d+) elements, (\d+) B: ", text,
+                             flags=re.M)
             assert line and line.groups() == (str(len(rows)), str(len(rows) * 4 * F32))
     # rank 2 takes tokens 0,1 of the first sample and 0,1 (rows 5,6) of the second
-    assert "2 -> 2" not in text and "  1 -> 2: 2 rows, 32 B: t[5:7]" in text
-    assert "cp0          4 rows (4 distinct, 4 not held): t[0:2] + t[5:7]" in text
+    assert "2 -> 2" not in text and "  1 -> 2: 2 elements, 32 B: t[5:7]" in text
+    assert re.search(r"^2 +- +nothing +cp0 +t\[0:2\] \+ t\[5:7\]$", text, flags=re.M)
     path = tmp_path / "rows.png"
     draw_png(plan(src, dst, {"t": (5, 6), "h": 4}, F32), str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
