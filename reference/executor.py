@@ -80,16 +80,14 @@ def redistribute(
 ) -> dict[int, torch.Tensor]:
     """Redistribute every src rank's piece to every dst rank, through the custom vjp.
 
-    ``pieces`` must hold exactly the src holders' local tensors (a packed layout's
-    ranks holding no rows may be left out); the result holds the dst holders'. Global
+    ``pieces`` must hold exactly the src holders' local tensors; the result holds the dst
+    holders'. Global
     sizes (``sizes={dim: n}`` and size keywords) are inferred from the pieces unless
     given; a keyword that is not a dim raises.
     """
     given = size_arguments(src, dst, sizes, dim_sizes, "redistribute (reference backend)",
                            ("sizes", "grad_partial"))
-    rows = is_row_layout(src) or is_row_layout(dst)
-    # (a packed layout's ranks holding no rows may be left out: checked when loaded)
-    missing = [] if is_row_layout(src) else [r for r in src.holders if r not in pieces]
+    missing = [r for r in src.holders if r not in pieces]
     extra = [r for r in pieces if not src.holds(r)]
     if missing or extra:
         raise MimoFxError(f"redistribute: src {src.describe()!r} on {src.grid!r} is held by "
@@ -106,7 +104,7 @@ def redistribute(
         raise MimoFxError(f"redistribute: pieces are on several devices "
                           f"{sorted(map(str, devices))}; the reference backend runs every "
                           f"rank in one process: move them to one device (e.g. .cpu())")
-    if rows:
+    if is_row_layout(src) or is_row_layout(dst):
         full = _row_sizes(pieces, src, dst, given)
     else:
         full = infer_sizes(src, {r: tuple(pieces[r].shape) for r in src.holders}, given)
