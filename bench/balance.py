@@ -127,12 +127,12 @@ def bridge_rows(p: Placement) -> dict[str, int]:
 
 
 def check_rows_against_the_planner(p: Placement) -> None:
-    """The rows counted here are the row planner's (forward), on a step's placement."""
-    from mimo_fx.rows import plan_layouts
+    """The rows counted here are the planner's (forward), on a step's placement."""
+    from mimo_fx.plan import plan
 
     for name, (src, dst) in (("patches", p.patches()), ("embeddings", p.embeddings()),
                              ("text", p.text())):
-        planned = plan_layouts(src, dst, {"f": 1, "h": 1}).total_bytes // 4
+        planned = plan(src, dst, {"f": 1, "h": 1}).total_bytes // 4
         assert planned == moved_rows(src, dst), (name, planned, moved_rows(src, dst))
 
 

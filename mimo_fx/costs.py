@@ -1,9 +1,8 @@
 """The cost figures every plan reports, derived once from its bytes per rank.
 
-A plan (:class:`mimo_fx.plan.Plan`) and the row router's routing
-(:class:`mimo_fx.rows.RowRouting`, in rows) each count the bytes every rank sends and
-receives and the bytes every dst rank needs and does not hold; the maxima and the total
-below are the same arithmetic on those, for both.
+A plan (:class:`mimo_fx.plan.Plan`) counts the bytes every rank sends and receives and
+the bytes every dst rank needs and does not hold; the maxima and the total below are
+arithmetic on those.
 """
 
 from __future__ import annotations

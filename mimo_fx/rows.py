@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 
-from .costs import Costs
 from .errors import MimoFxError
 from .grid import Grid
 from .regions import Box
@@ -186,8 +185,10 @@ class RowMap:
 
 
 @dataclass(frozen=True, eq=False)
-class RowRouting(Costs):
-    """Who sends which rows to whom, both directions (see the module docstring).
+class RowRouting:
+    """Who sends which rows to whom, both directions (see the module docstring), counted
+    in rows; :func:`~mimo_fx.plan.row_plans` makes it the two plans (whose costs are in
+    bytes, as every plan's).
 
     ``src_rows``/``dst_rows``: per rank of :attr:`ranks`, the global row of each local
     row (-1: padding); ``counted``: the dst ranks whose cotangents count;
@@ -305,55 +306,17 @@ class RowRouting(Costs):
         return {r: len({g for g in d if g >= 0} - set(s))
                 for r, s, d in zip(self.ranks, self.src_rows, self.dst_rows)}
 
-    @property
-    def lower_bound(self) -> dict[int, int]:
-        """Per dst rank, the bytes of :meth:`needed_rows` (as ``Plan.lower_bound``)."""
-        holders = set(self.dst.holders) if self.dst is not None else set(self.ranks)
-        return {r: n * self.row_bytes for r, n in self.needed_rows().items() if r in holders}
-
-    def bytes(self, row_bytes: int | None = None) -> dict[int, dict[str, int]]:
-        """Bytes each rank sends and receives, per direction (rows of ``row_bytes``)."""
-        row = self.row_bytes if row_bytes is None else row_bytes
-        out: dict[int, dict[str, int]] = {}
-        for direction in ("forward", "backward"):
-            for kind, count in (("sent", self.sent), ("received", self.received)):
-                for r, n in count(direction).items():
-                    out.setdefault(r, {})[f"{direction}_{kind}"] = n * row
-        return out
-
-    @property
-    def bytes_sent(self) -> dict[int, int]:
-        """Forward bytes each rank sends (ranks that send nothing are absent)."""
-        return {r: n * self.row_bytes for r, n in self.sent().items() if n}
-
-    @property
-    def bytes_recv(self) -> dict[int, int]:
-        """Forward bytes each rank receives (ranks that receive nothing are absent)."""
-        return {r: n * self.row_bytes for r, n in self.received().items() if n}
-
     def __str__(self) -> str:
         pairs = [f"{src} -> {dst}: rows {list(self.sends[i][j])}"
                  for i, src in enumerate(self.ranks) for j, dst in enumerate(self.ranks)
                  if self.sends[i][j]]
         shown = "; ".join(pairs[:8]) + (f"; ... ({len(pairs)} pairs)" if len(pairs) > 8
                                         else "")
-        if self.src is None or self.dst is None:  # raw row maps
-            bound = max(self.needed_rows().values(), default=0)
-            recv = max(self.received().values(), default=0)
-            return (f"rows: {self.n_rows} rows over ranks {self.ranks}, 1 all_to_all each "
-                    f"way\n  forward: {shown or '(nothing moves)'}\n"
-                    f"  cost: max recv {recv} row(s)/rank (lower bound {bound})")
-        from .text import format_bytes
-
-        src, dst = self.src, self.dst
-        return "\n".join([
-            f"plan {src.describe()} on {src.grid!r}",
-            f"  -> {dst.describe()} on {dst.grid!r}   ({self.n_rows} rows of "
-            f"{self.row_bytes} B)",
-            f"  1. all_to_all over {len(self.ranks)} ranks: {shown or 'nothing moves'}",
-            f"  cost: max recv {format_bytes(self.max_recv)}/rank (lower bound "
-            f"{format_bytes(self.max_lower_bound)}), max sent {format_bytes(self.max_sent)}"
-            f"/rank, total {format_bytes(self.total_bytes)}, 1 collective(s)"])
+        bound = max(self.needed_rows().values(), default=0)
+        recv = max(self.received().values(), default=0)
+        return (f"rows: {self.n_rows} rows over ranks {self.ranks}, 1 all_to_all each "
+                f"way\n  forward: {shown or '(nothing moves)'}\n"
+                f"  cost: max recv {recv} row(s)/rank (lower bound {bound})")
 
 
 def _direction(direction: str) -> int:

@@ -42,7 +42,7 @@ from mimo_fx.mimo.config import MimoParallelism
 from mimo_fx.mimo.config import ModuleParallelism as M
 from mimo_fx.mimo.loader import share_samples
 from mimo_fx.placement import Placement, Sample, place
-from mimo_fx.rows import plan_layouts
+from mimo_fx.plan import backward_plan, plan
 
 from .packed import (
     Batch,
@@ -162,25 +162,24 @@ def layouts(cfg: BalancedConfig, step: Placement) -> dict:
 
 
 def _plans(cfg: BalancedConfig, lay: dict) -> list:
-    """The row plans of a step's bridges (for their bytes)."""
+    """Each bridge of a step's forward and backward plans (for their bytes)."""
     totals = tuple(p.total for p in lay["packed"].packings)
     h, f = {"h": cfg.hidden}, {"f": cfg.features}
-    return [plan_layouts(lay["patch_src"], lay["patch_dst"], f),
-            plan_layouts(lay["emb_src"], lay["emb_dst"], h),
-            plan_layouts(lay["text_src"], lay["text_dst"], h),
-            plan_layouts(lay["tok_src"], lay["tok_dst"], h),
-            plan_layouts(lay["packed"], lay["keys"], {"t": totals, "h": 2 * cfg.hidden}, 4,
-                         ("cp",))]
+    pairs: list[tuple[str, str, dict, tuple[str, ...]]] = [
+        ("patch_src", "patch_dst", f, ()), ("emb_src", "emb_dst", h, ()),
+        ("text_src", "text_dst", h, ()), ("tok_src", "tok_dst", h, ()),
+        ("packed", "keys", {"t": totals, "h": 2 * cfg.hidden}, ("cp",))]
+    return [(plan(lay[a], lay[b], sizes), backward_plan(lay[a], lay[b], sizes, None, partial))
+            for a, b, sizes, partial in pairs]
 
 
 def _sent(plans: list, rank: int | None = None) -> int:
     """Bytes ``rank`` (or every rank) sends through ``plans``, forward and backward (the
     targets' plan, ``plans[3]``, has no backward)."""
     out = 0
-    for k, p in enumerate(plans):
-        for r, per in p.bytes().items():
-            if rank is None or r == rank:
-                out += per["forward_sent"] + (per["backward_sent"] if k != 3 else 0)
+    for k, (fwd, bwd) in enumerate(plans):
+        for p in (fwd, bwd) if k != 3 else (fwd,):
+            out += sum(n for r, n in p.bytes_sent.items() if rank is None or r == rank)
     return out
 
 

@@ -41,7 +41,8 @@ from mimo_fx import Layout, redistribute
 from mimo_fx.mimo.config import MimoParallelism
 from mimo_fx.mimo.config import ModuleParallelism as M
 from mimo_fx.packed import PackedLayout, Packing
-from mimo_fx.rows import plan_layouts, seed_bytes
+from mimo_fx.plan import backward_plan, plan
+from mimo_fx.rows import seed_bytes
 
 from .report import reference_step, result, sgd, step_row, summed_grads, warm_up
 
@@ -202,17 +203,16 @@ def rank_step(cfg: PackedConfig, batch: Batch, rank: int) -> RankStep:
     for name in ("ids", "target", "real", "mask"):
         torch._dynamo.mark_dynamic(inputs[name], 0)
     torch._dynamo.mark_dynamic(inputs["mask"], 1)
-    img = plan_layouts(enc, images, {"t": counts, "h": cfg.hidden})
-    kv = plan_layouts(tokens, keys, {"t": totals, "h": 2 * cfg.hidden}, 4, ("cp",))
-    sent = sum(n for p in (img, kv) for key, n in p.bytes()[rank].items()
-               if key.endswith("sent"))
-    ours = sum(n for per in img.bytes().values() for key, n in per.items()
-               if key.endswith("sent"))
+    img_sizes, kv_sizes = {"t": counts, "h": cfg.hidden}, {"t": totals, "h": 2 * cfg.hidden}
+    img = (plan(enc, images, img_sizes), backward_plan(enc, images, img_sizes))
+    kv = (plan(tokens, keys, kv_sizes), backward_plan(tokens, keys, kv_sizes, None, ("cp",)))
+    sent = sum(p.bytes_sent.get(rank, 0) for p in (*img, *kv))
+    ours = sum(n for p in img for n in p.bytes_sent.values())
     seed = 0
     for group in llm.groups("cp"):  # every cp rank of a group gets all its rows
         needed = {g for r in group for g in images.rows(r).tolist()}
-        src_rows = img.src_rows
-        held = {r: len(needed & set(src_rows[img.index(r)])) for r in group}
+        held = {r: sum(len(needed & set(range(a, b))) for (a, b), in img[0].hold.boxes(r))
+                for r in group}
         seed += sum(seed_bytes(len(needed), group, 4 * cfg.hidden, held).values())
     count = sum(t.numel() for t in batch.targets)
     return RankStep(inputs, sent, ours, seed, count)
