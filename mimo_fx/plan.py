@@ -570,10 +570,9 @@ def plan(src: Layout, dst: Layout, sizes: Mapping[str, Size], dtype=None, *,
     those groups' process groups). Pure and cached:
     equal arguments return the same object.
     """
-    from .rows import is_row_layout, plan_layouts
-
-    if is_row_layout(src) or is_row_layout(dst):  # routed by the row router
-        return row_plans(plan_layouts(src, dst, sizes, _itemsize(dtype)))[0]
+    rows = _routed_rows(src, dst, sizes, dtype)
+    if rows is not None:
+        return rows[0]
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise MimoFxError(f"plan needs two layouts, got {src!r} and {dst!r}; build them "
                           f"with Layout(Grid(...), \"(dp b) s h\") (or PackedLayout)")
@@ -614,12 +613,21 @@ def backward_plan(
     Cotangents on dst's replicated axes are taken as consistent, except over the axes in
     ``grad_partial``, where each replica holds a contribution and they are summed.
     """
+    rows = _routed_rows(src, dst, sizes, dtype, tuple(grad_partial))
+    if rows is not None:
+        return rows[1]
+    return plan(*backward_layouts(src, dst, grad_partial), sizes, dtype)
+
+
+def _routed_rows(src, dst, sizes, dtype, grad_partial: tuple[str, ...] = ()
+                 ) -> tuple[Plan, Plan] | None:
+    """Both plans of a pair with a packed layout on a side, which the row router routes
+    (None for a pair of box layouts): the one place the planner asks a layout's kind."""
     from .rows import is_row_layout, plan_layouts
 
-    if is_row_layout(src) or is_row_layout(dst):  # routed by the row router
-        return row_plans(plan_layouts(src, dst, sizes, _itemsize(dtype),
-                                      tuple(grad_partial)))[1]
-    return plan(*backward_layouts(src, dst, grad_partial), sizes, dtype)
+    if not (is_row_layout(src) or is_row_layout(dst)):
+        return None
+    return row_plans(plan_layouts(src, dst, sizes, _itemsize(dtype), grad_partial))
 
 
 def row_plans(routing: Any) -> tuple[Plan, Plan]:
