@@ -158,7 +158,8 @@ class RowSizing(CallSizes):
         return fingerprint(self.sides[0].key(src, full), self.sides[1].key(dst, full))
 
     def plan(self, src, dst, full: dict):
-        """The row plan of a batch (every rank's part: checked mode names any rank's)."""
+        """The row routing of a batch (every rank's part: checked mode names any
+        rank's)."""
         sizes = {d: full[d] for d in self.row_dims if d in full}
         sizes.update({d: 1 for d in self.features})  # (rows do not depend on them)
         try:

@@ -590,8 +590,9 @@ def check_row_sizes(src, dst, sizes: Mapping[str, object]) -> dict[str, object]:
 
 def plan_layouts(src, dst, sizes: Mapping[str, object], itemsize: int = 4,
                  grad_partial: tuple[str, ...] = ()) -> RowRouting:
-    """The row plan from layout ``src`` to layout ``dst`` (one of them a row layout,
-    the other a row layout or a box layout whose leading dims are the rows)."""
+    """The row routing from layout ``src`` to layout ``dst`` (one of them a row layout,
+    the other a row layout or a box layout whose leading dims are the rows); its plans
+    are what :func:`mimo_fx.plan` returns for the pair."""
     from .regions import total
 
     rows = row_dims(src, dst)
