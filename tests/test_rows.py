@@ -370,6 +370,24 @@ def test_into_and_out_of_packed_layouts_equal_the_oracle(lay, data):
     assert all(torch.equal(back[r], pieces[r].detach()) for r in enc.holders)
 
 
+def test_every_pair_of_layouts_plans_one_plan_type():
+    """Box or packed on either side: ``plan`` and ``backward_plan`` give a ``Plan``, and
+    the reference backend runs both through its one executor, exact."""
+    enc = Layout(Grid(dp=2), "(dp t) h", ragged="dp")
+    lay = PackedLayout(Grid(cp=2, offset=2), "t h", [[3, 4]], zigzag=False)
+    again = PackedLayout(Grid(cp=2), "t h", [[3, 4]])  # zigzag, on other ranks
+    sizes = {"t": (3, 4), "h": H}
+    x = torch.randn(7, H, dtype=torch.float64)
+    for src, dst, pieces in ((enc, lay, shard(x, enc, t=(3, 4))), (lay, enc, shard(x, lay)),
+                             (lay, again, shard(x, lay))):
+        assert type(plan(src, dst, sizes)) is Plan
+        assert type(backward_plan(src, dst, sizes)) is Plan
+        want = shard(x, dst, t=(3, 4)) if dst is enc else shard(x, dst)
+        got = redistribute(pieces, src, dst, t=(3, 4)) if src is lay and dst is enc \
+            else redistribute(pieces, src, dst)
+        assert all(torch.equal(got[r], want[r]) for r in dst.holders)
+
+
 def test_packed_layout_mistakes():
     lay = PackedLayout(Grid(cp=2), "t h", [[3, 4]])
     enc = Layout(Grid(dp=2), "(dp t) h", ragged="dp")
