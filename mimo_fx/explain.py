@@ -141,7 +141,7 @@ def _matrix_text(p: Plan, matrix: dict[tuple[int, int], int]) -> str:
 
 
 def _transfers_text(p: Plan) -> list[str]:
-    """Per exchange step, each sending pair: elements (a row plan: rows), bytes, boxes."""
+    """Per exchange step, each sending pair: elements (a row plan's: rows), bytes, boxes."""
     lines = []
     for i, step in enumerate(p.steps, 1):
         if not isinstance(step, Exchange):
@@ -149,10 +149,11 @@ def _transfers_text(p: Plan) -> list[str]:
         pairs: dict[tuple[int, int], list[Box]] = defaultdict(list)
         for t in step.transfers:
             pairs[t.src, t.dst].append(t.box)
-        lines.append(f"transfers of step {i} (sender -> receiver: elements, bytes, region):")
+        lines.append(f"transfers of step {i} (sender -> receiver: {p.element}s, bytes, "
+                     f"region):")
         for (s, d), boxes in list(pairs.items())[:TRANSFERS_SHOWN]:
             n = sum(map(box_volume, boxes))
-            lines.append(f"  {s} -> {d}: {n} elements, {format_bytes(n * p.itemsize, 2)}: "
+            lines.append(f"  {s} -> {d}: {n} {p.element}s, {format_bytes(n * p.itemsize, 2)}: "
                          f"{_region(p, tuple(boxes))}")
         if len(pairs) > TRANSFERS_SHOWN:
             lines.append(f"  ... {len(pairs) - TRANSFERS_SHOWN} more sending pairs")
@@ -218,7 +219,7 @@ class _Account:
         p = self.p
         sizes = " ".join(f"{d}={n}" for d, n in p.sizes)
         return (_box_regions(p, src_tiling(p)), _box_regions(p, p.need), len(p.steps),
-                f"mimo_fx plan ({sizes}, {p.itemsize} B/elem): {_collectives_text(p)}")
+                f"mimo_fx plan ({sizes}, {p.itemsize} B/{p.element}): {_collectives_text(p)}")
 
 
 # -- picture --------------------------------------------------------------------------------

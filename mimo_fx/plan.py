@@ -401,6 +401,7 @@ class _Schedule:
     need: Holdings = field(repr=False)
     reduced_axes: tuple[str, ...] = ()
     before: Holdings | None = field(default=None, repr=False)  # hold before the reduction
+    element: str = "element"  # what one element of ``dims`` is (a row plan's: a row)
 
     def __post_init__(self) -> None:
         _check_steps(self.steps)
@@ -512,7 +513,7 @@ class Plan(_Schedule, Costs):
         """The part of this plan ``rank`` takes part in (see :class:`RankPlan`)."""
         return RankPlan(self.src, self.dst, self.dims, self.sizes, self.itemsize,
                         tuple(s.restrict(rank) for s in self.steps), self.hold, self.need,
-                        self.reduced_axes, self.before, rank=rank)
+                        self.reduced_axes, self.before, self.element, rank=rank)
 
     # -- printing ------------------------------------------------------------------------
     @property
@@ -529,7 +530,8 @@ class Plan(_Schedule, Costs):
         sizes = " ".join(f"{d}={n}" for d, n in self.sizes)
         lines = [
             f"plan {self.src.describe()} on {self.src.grid!r}",
-            f"  -> {self.dst.describe()} on {self.dst.grid!r}   ({sizes}, {self.itemsize} B/elem)",
+            f"  -> {self.dst.describe()} on {self.dst.grid!r}   ({sizes}, {self.itemsize} "
+            f"B/{self.element})",
         ]
         if not self.steps:
             lines.append("  1. local: every dst rank slices what it holds (no communication)")
@@ -648,9 +650,9 @@ def row_plans(routing: Any) -> tuple[Plan, Plan]:
                          for rank, rows in zip(r.ranks, r.dst_rows)})
     dims, sizes = (r.dim_name,), ((r.dim_name, r.n_rows),)
     return (Plan(src, dst, dims, sizes, r.row_bytes, (_row_exchange(r.ranks, r.sends),),
-                 held, used),
+                 held, used, element="row"),
             Plan(dst, src, dims, sizes, r.row_bytes,
-                 (_row_exchange(r.ranks, r.backward_sends),), counted, held))
+                 (_row_exchange(r.ranks, r.backward_sends),), counted, held, element="row"))
 
 
 def _row_exchange(ranks: tuple[int, ...], sends) -> Exchange:

@@ -137,7 +137,7 @@ def test_packed_dst_rows_per_cp_rank(select, capsys):
             assert table[rank]["received"] == table[rank]["bound"] == len(rows) * h * F32
             for s in (0, 1):   # encoder rank s holds rows [0, counts[0]) or the rest
                 mine = [g for g in rows if (g < counts[0]) == (s == 0)]
-                line = re.search(rf"^  {s} -> {rank}: (\d+) elements, ", out, flags=re.M)
+                line = re.search(rf"^  {s} -> {rank}: (\d+) rows, ", out, flags=re.M)
                 assert (int(line.group(1)) if line else 0) == len(mine), (s, rank)
     assert table[0]["sent"] == counts[0] * h * F32 and table[1]["sent"] == counts[1] * h * F32
 

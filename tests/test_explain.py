@@ -180,18 +180,17 @@ def test_row_plan_lists_rows_per_transfer_and_draws(tmp_path):
     dst = PackedLayout(Grid(cp=2, offset=2), "t h", [[5, 6]])
     p = plan(src, dst, {"t": (5, 6), "h": 4}, F32)
     text = explain(p)
-    assert "(t=11, 16 B/elem)" in text  # one dim, the rows: an element is a row
+    assert "(t=11, 16 B/row)" in text  # one dim, the rows: an element is a row
     held = {0: set(range(5)), 1: set(range(5, 11))}
     for c in range(2):
         need = set(_zigzag_tokens([5, 6], 2, c))
         assert p.lower_bound[2 + c] == len(need) * 4 * F32  # none of it held
         for s in (0, 1):
             rows = sorted(need & held[s])
-            line = re.search(rf"^  {s} -> {2 + c}: (\d+) elements, (\d+) B: ", text,
-                             flags=re.M)
+            line = re.search(rf"^  {s} -> {2 + c}: (\d+) rows, (\d+) B: ", text, flags=re.M)
             assert line and line.groups() == (str(len(rows)), str(len(rows) * 4 * F32))
     # rank 2 takes tokens 0,1 of the first sample and 0,1 (rows 5,6) of the second
-    assert "2 -> 2" not in text and "  1 -> 2: 2 elements, 32 B: t[5:7]" in text
+    assert "2 -> 2" not in text and "  1 -> 2: 2 rows, 32 B: t[5:7]" in text
     assert re.search(r"^2 +- +nothing +cp0 +t\[0:2\] \+ t\[5:7\]$", text, flags=re.M)
     path = tmp_path / "rows.png"
     draw_png(plan(src, dst, {"t": (5, 6), "h": 4}, F32), str(path))
