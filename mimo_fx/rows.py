@@ -1,4 +1,5 @@
-"""Row plans: layouts given row by row, each dst rank receiving exactly the rows it needs.
+"""The row router: layouts given row by row, each dst rank receiving exactly the rows it
+needs.
 
 Some layouts are not boxes: a packed sequence (:class:`~mimo_fx.packed.PackedLayout`)
 gives each rank the tokens of its chunks of every sequence, image tokens land wherever
@@ -20,6 +21,10 @@ cotangents count; a dst replicated over an axis takes them as consistent, as box
 do, unless ``grad_partial`` names the axis). Each direction is one uneven
 ``all_to_all`` over the plan's ranks (a rank's own rows take its self split: a local
 copy), its per-rank numbers in :class:`RankRoute`, so executors decide nothing.
+
+The router's :class:`RowRouting` counts rows; :func:`mimo_fx.plan` makes it two ordinary
+plans (:func:`~mimo_fx.plan.row_plans`): one dim, the rows, an exchange of runs of rows,
+and what each rank holds a :class:`RowTiling`.
 
 >>> p = plan_rows({0: [0, 1], 1: [2, 3]}, {0: [3, 0, 3], 1: [1]}, n_rows=4)
 >>> print(p)
