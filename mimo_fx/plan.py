@@ -53,7 +53,6 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from .collective import Collective
-from .costs import Costs
 from .errors import MimoFxError
 from .exchange import Geometry, ReduceCosts, Transfer, want_holders
 from .layout import Layout
@@ -414,7 +413,7 @@ class _Schedule:
 
 
 @dataclass(frozen=True, eq=False)
-class Plan(_Schedule, Costs):
+class Plan(_Schedule):
     """A schedule of steps plus the tilings that define what every rank holds and needs.
 
     Compared and hashed by identity: plans are cached, and equal inputs return the same
@@ -460,6 +459,26 @@ class Plan(_Schedule, Costs):
                         missing -= box_volume(inter)
             out[rank] = missing * self.itemsize
         return out
+
+    @property
+    def max_recv(self) -> int:
+        """The most bytes any rank receives."""
+        return max(self.bytes_recv.values(), default=0)
+
+    @property
+    def max_sent(self) -> int:
+        """The most bytes any rank sends."""
+        return max(self.bytes_sent.values(), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes sent, summed over every rank."""
+        return sum(self.bytes_sent.values())
+
+    @property
+    def max_lower_bound(self) -> int:
+        """The most bytes any dst rank needs and does not hold."""
+        return max(self.lower_bound.values(), default=0)
 
     @cached_property
     def reduction_bound(self) -> dict[int, int]:
