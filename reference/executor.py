@@ -81,9 +81,8 @@ def redistribute(
     """Redistribute every src rank's piece to every dst rank, through the custom vjp.
 
     ``pieces`` must hold exactly the src holders' local tensors; the result holds the dst
-    holders'. Global
-    sizes (``sizes={dim: n}`` and size keywords) are inferred from the pieces unless
-    given; a keyword that is not a dim raises.
+    holders'. Global sizes (``sizes={dim: n}`` and size keywords) are inferred from the
+    pieces unless given; a keyword that is not a dim raises.
     """
     given = size_arguments(src, dst, sizes, dim_sizes, "redistribute (reference backend)",
                            ("sizes", "grad_partial"))
@@ -93,8 +92,6 @@ def redistribute(
         raise MimoFxError(f"redistribute: src {src.describe()!r} on {src.grid!r} is held by "
                           f"ranks {list(src.holders)}; pieces miss {missing} and have extra "
                           f"{extra}")
-    if not pieces:
-        raise MimoFxError("redistribute (reference backend): no pieces given")
     dtypes = {t.dtype for t in pieces.values()}
     if len(dtypes) != 1:
         raise MimoFxError(f"redistribute: pieces have mixed dtypes {sorted(map(str, dtypes))}")
