@@ -47,9 +47,8 @@ def agree(name: str, fields: Mapping[str, str], what: str) -> None:
     bridge creates any group."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    world, seq = POOL.agreed  # (the default group, bridges agreed in it)
-    if world is not dist.group.WORLD:  # a new world: counted afresh
-        world, seq = dist.group.WORLD, 0
+    POOL.sync_world()  # (a new world counts its agreements afresh)
+    seq = POOL.agreed
     store = dist.distributed_c10d._get_default_store()
     n, rank = dist.get_world_size(), dist.get_rank()
     rounds = f"{PREFIX}/{seq}/rounds"
@@ -79,7 +78,7 @@ def agree(name: str, fields: Mapping[str, str], what: str) -> None:
             f"{timeout_seconds():g} s for it and given up ({wait_time()}). Every rank of "
             f"the world builds every bridge, in the same order")
     records = [json.loads(v) for v in store.multi_get([f"{base}/{r}" for r in range(n)])]
-    POOL.agreed = (world, seq + 1)
+    POOL.agreed = seq + 1
     if store.add(f"{base}/read", 1) == n:  # every rank has read: the records can go
         for key in [f"{base}/{r}" for r in range(n)] + [f"{base}/count", state,
                                                        f"{base}/read", rounds]:

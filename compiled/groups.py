@@ -145,7 +145,7 @@ class Pool:
         self.in_flight: list[tuple[object, Callable[[], bool]]] = []  # (object, done?)
         self.retired_done = True  # set when a group is created: retired groups may go
         self.dropped: list[Callable[[], None]] = []  # releases for the next lease
-        self.agreed: tuple[object, int] = (None, 0)  # (the default group, bridges agreed)
+        self.agreed = 0  # bridges agreed in this world
         self.reaper = _Reaper()
 
     def sync_world(self) -> None:
@@ -155,6 +155,7 @@ class Pool:
             self.reaper.settle()
             self.groups.clear()
             self.in_flight.clear()
+            self.agreed = 0
             self.world = dist.group.WORLD
 
 
