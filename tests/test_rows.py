@@ -28,7 +28,7 @@ from threads import ThreadComm, _Rendezvous
 
 from mimo_fx import Grid, Layout, MimoFxError, plan, redistribute
 from mimo_fx.compiled.executor import CompiledExecutor
-from mimo_fx.compiled.lowering import lower_rows, row_variables
+from mimo_fx.compiled.lowering import lower, lower_rows, row_variables
 from mimo_fx.packed import PackedLayout, Packing, image_rows, pack_shard
 from mimo_fx.plan import Plan, backward_plan
 from mimo_fx.reference import shard, unshard
@@ -386,6 +386,16 @@ def test_every_pair_of_layouts_plans_one_plan_type():
         got = redistribute(pieces, src, dst, t=(3, 4)) if src is lay and dst is enc \
             else redistribute(pieces, src, dst)
         assert all(torch.equal(got[r], want[r]) for r in dst.holders)
+
+
+def test_lowering_a_packed_plan_names_the_row_programs():
+    """``lower()`` lowers plans between box layouts; a packed pair's plan is refused with
+    a MimoFxError naming the layouts (its bridge runs the row programs)."""
+    enc = Layout(Grid(dp=2), "(dp t) h", ragged="dp")
+    lay = PackedLayout(Grid(cp=2, offset=2), "t h", [[3, 4]])
+    with pytest.raises(MimoFxError, match=r"takes a plan between box layouts, not "
+                                          r"'\(dp t\) h \[ragged dp\]' -> 't h .*row programs"):
+        lower(plan(enc, lay, {"t": (3, 4), "h": H}), 0)
 
 
 def test_packed_layout_mistakes():
