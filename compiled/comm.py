@@ -298,14 +298,33 @@ def _post(kind: Collective, name: str, flat: torch.Tensor, out: torch.Tensor, se
         if len(works) != len(ops):  # (one work for the batch: its peers are not known)
             return works
     else:
-        works = [pg.send([t], j, 0) for j, t in sends] + [pg.recv([t], j, 0)
-                                                          for j, t in recvs]
+        works = [_posted(pg.send, t, j, members) for j, t in sends]
+        works += [_posted(pg.recv, t, j, members) for j, t in recvs]
     peers = MESSAGES.peers
     if len(peers) > 4096:  # (works never waited for: a failed call's)
         peers.clear()
     for work, (j, _) in zip(works, [*sends, *recvs]):
         peers[id(work)] = members[j]
     return works
+
+
+class PostFailed(RuntimeError):
+    """Posting a message failed at once (its peer may have left already): the error,
+    and the global rank at the other end (``peer``, which :func:`.timeouts.failed`
+    names)."""
+
+    def __init__(self, err: RuntimeError, peer: int) -> None:
+        super().__init__(str(err))
+        self.peer = peer
+
+
+def _posted(post, t: torch.Tensor, j: int, members: tuple[int, ...]):
+    """``post([t], j, 0)`` (a send or receive with group rank ``j``), naming the peer
+    if it fails."""
+    try:
+        return post([t], j, 0)
+    except RuntimeError as err:
+        raise PostFailed(err, members[j]) from None
 
 
 def wait_all(works: list, site: str, kind: Collective | None) -> None:
