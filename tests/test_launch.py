@@ -106,6 +106,26 @@ def test_results_by_rank_and_errors():
         run_world(0, _sum_of_ranks, 1)
 
 
+def _inherited(rank: int, world: int, name: str) -> str | None:
+    import os
+    import sys
+
+    print(f"rank {rank} writes to its stderr", file=sys.stderr, flush=True)
+    return os.environ.get(name)
+
+
+def test_a_world_inherits_its_parents_environment_and_streams_when_started(capfd,
+                                                                          monkeypatch):
+    """As a spawned process would: a world's processes are forked from a server started
+    earlier, with the environment and streams of that moment (mimo_fx.testing.worlds)."""
+    with capfd.disabled():  # the server runs from here on (if it did not), outside capfd
+        run_world(1, _sum_of_ranks, 1)
+    monkeypatch.setenv("MIMO_FX_SET_LATER", "now")
+    assert run_world(2, _inherited, "MIMO_FX_SET_LATER") == ["now", "now"]
+    err = capfd.readouterr().err
+    assert "rank 0 writes to its stderr" in err and "rank 1 writes to its stderr" in err, err
+
+
 @pytest.mark.slow
 def test_a_hang_names_the_rank_and_where_it_is():
     with pytest.raises(WorldError, match=r"(?s)ranks \[1\] never finished.*rank 1 is at: "
