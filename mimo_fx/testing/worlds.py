@@ -1,7 +1,10 @@
 """Local worlds of processes that stay alive and run one function after another.
 
-Spawning a world costs seconds (every process imports torch and joins the process
-group). A :class:`SpawnedWorld` pays it once: each of its processes initialises its process
+Starting a world costs seconds (every process joins the process group and warms up its
+first compile). Its processes are forked from one server that imported :data:`PRELOAD`
+once (spawned where the platform has no fork server), each starting with its parent's
+environment and streams of that moment (:class:`_Inherited`). A :class:`SpawnedWorld`
+pays the start once: each of its processes initialises its process
 group, then runs the functions submitted with :meth:`SpawnedWorld.run` in turn, each as
 ``fn(rank, size, *args)`` on every rank, and the results come back by rank.
 :class:`SpawnedWorlds` keeps one per key (size, backend, threads, record, env), for a
@@ -99,22 +102,25 @@ def _send(conn: Connection, message: tuple) -> None:
 
 class _Inherited:
     """What a started process inherits from its parent at that moment, as a spawned one
-    does: the environment and the standard streams (a forked server's are its own, from
-    when it started)."""
+    does: the environment, and with ``streams`` the standard streams (a process forked
+    from a server gets the server's, from when it started)."""
 
-    def __init__(self) -> None:
-        self.environ = dict(os.environ)
+    def __init__(self, streams: bool) -> None:
+        self.environ, self.streams = dict(os.environ), streams
 
     def __reduce__(self):  # (the streams travel as file descriptors, duplicated)
-        return _Inherited._apply, (self.environ, reduction.DupFd(1), reduction.DupFd(2))
+        streams = tuple(reduction.DupFd(fd) for fd in (1, 2)) if self.streams else ()
+        return _Inherited._apply, (self.environ, *streams)
 
     @staticmethod
-    def _apply(environ: dict[str, str], out, err) -> None:
+    def _apply(environ: dict[str, str], *streams) -> None:
         os.environ.clear()
         os.environ.update(environ)
-        for fd, dup in ((1, out.detach()), (2, err.detach())):
-            os.dup2(dup, fd)
-            os.close(dup)
+        for fd, stream in enumerate(streams, start=1):
+            dup = stream.detach()
+            if dup != fd:
+                os.dup2(dup, fd)
+                os.close(dup)
 
 
 def _context():
@@ -425,7 +431,7 @@ class SpawnedWorld:
             process = ctx.Process(target=_serve, name=f"world{self.size}-rank{rank}",
                                   args=(rank, self.size, port, theirs, self._dir,
                                         self.backend, self.threads, self.env, self.reuse,
-                                        _Inherited()))
+                                        _Inherited(ctx.get_start_method() == "forkserver")))
             process.start()
             theirs.close()
             self._processes.append(process)
