@@ -2,7 +2,7 @@
 
 Starting a world costs seconds (every process joins the process group and warms up its
 first compile). Its processes are forked from one server that imported :data:`PRELOAD`
-once (spawned where the platform has no fork server), each starting with its parent's
+once (spawned for NCCL or where the platform has none), each starting with its parent's
 environment and streams of that moment (:class:`_Inherited`). A :class:`SpawnedWorld`
 pays the start once: each of its processes initialises its process
 group, then runs the functions submitted with :meth:`SpawnedWorld.run` in turn, each as
@@ -123,10 +123,11 @@ class _Inherited:
                 os.close(dup)
 
 
-def _context():
+def _context(backend: str):
     """Processes forked from a server that has imported :data:`PRELOAD` where the
-    platform has one, else spawned."""
-    if "forkserver" not in mp.get_all_start_methods():
+    platform has one, else spawned; spawned for NCCL (a CUDA query made while the server
+    imported torch would not survive a fork)."""
+    if backend == "nccl" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # (no effect once the server runs)
@@ -423,7 +424,7 @@ class SpawnedWorld:
         return results
 
     def _spawn(self) -> None:
-        ctx = _context()
+        ctx = _context(self.backend)
         self._dir = tempfile.mkdtemp(prefix="mimo_fx_world_")
         port = _free_port()
         for rank in range(self.size):
