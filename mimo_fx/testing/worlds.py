@@ -3,7 +3,7 @@
 Starting a world costs seconds (every process joins the process group and warms up its
 first compile). Its processes are forked from one server that imported :data:`PRELOAD`
 once (spawned for NCCL or where the platform has none), each starting with its parent's
-environment and streams of that moment (:class:`_Inherited`). A :class:`SpawnedWorld`
+environment and streams of that moment (:class:`_Streams`). A :class:`SpawnedWorld`
 pays the start once: each of its processes initialises its process
 group, then runs the functions submitted with :meth:`SpawnedWorld.run` in turn, each as
 ``fn(rank, size, *args)`` on every rank, and the results come back by rank.
@@ -100,27 +100,20 @@ def _send(conn: Connection, message: tuple) -> None:
         pass  # the parent is gone or closed the world: nobody to tell
 
 
-class _Inherited:
-    """What a started process inherits from its parent at that moment, as a spawned one
-    does: the environment, and with ``streams`` the standard streams (a process forked
-    from a server gets the server's, from when it started)."""
+class _Streams:
+    """The parent's standard streams at a process's start, which a spawned process
+    inherits and one forked from a server would not (it gets the server's, from when the
+    server started): they travel as duplicated file descriptors."""
 
-    def __init__(self, streams: bool) -> None:
-        self.environ, self.streams = dict(os.environ), streams
-
-    def __reduce__(self):  # (the streams travel as file descriptors, duplicated)
-        streams = tuple(reduction.DupFd(fd) for fd in (1, 2)) if self.streams else ()
-        return _Inherited._apply, (self.environ, *streams)
+    def __reduce__(self):
+        return _Streams._apply, tuple(reduction.DupFd(fd) for fd in (1, 2))
 
     @staticmethod
-    def _apply(environ: dict[str, str], *streams) -> None:
-        os.environ.clear()
-        os.environ.update(environ)
+    def _apply(*streams) -> None:
         for fd, stream in enumerate(streams, start=1):
             dup = stream.detach()
-            if dup != fd:
-                os.dup2(dup, fd)
-                os.close(dup)
+            os.dup2(dup, fd)
+            os.close(dup)
 
 
 def _context(backend: str):
@@ -135,10 +128,12 @@ def _context(backend: str):
 
 
 def _serve(rank: int, size: int, port: int, conn: Connection, out_dir: str, backend: str,
-           threads: int, env: dict[str, str], reuse: bool, inherited: None = None) -> None:
+           threads: int, env: dict[str, str], reuse: bool, streams: None = None) -> None:
     """One process of a world: join the process group, run functions until the parent
-    closes the world, a function fails or the world cannot be reused. (``inherited``
-    was applied while the arguments were read: see :class:`_Inherited`.)"""
+    closes the world, a function fails or the world cannot be reused. ``env`` is the
+    whole environment (the parent's at the start, and the world's); ``streams`` were
+    put in place while the arguments were read (see :class:`_Streams`)."""
+    os.environ.clear()
     os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     # inductor's compile pool would start processes (each importing torch) beyond the
@@ -425,14 +420,16 @@ class SpawnedWorld:
 
     def _spawn(self) -> None:
         ctx = _context(self.backend)
+        forked = ctx.get_start_method() == "forkserver"
         self._dir = tempfile.mkdtemp(prefix="mimo_fx_world_")
         port = _free_port()
         for rank in range(self.size):
             mine, theirs = ctx.Pipe()
             process = ctx.Process(target=_serve, name=f"world{self.size}-rank{rank}",
                                   args=(rank, self.size, port, theirs, self._dir,
-                                        self.backend, self.threads, self.env, self.reuse,
-                                        _Inherited(ctx.get_start_method() == "forkserver")))
+                                        self.backend, self.threads,
+                                        {**os.environ, **self.env}, self.reuse,
+                                        _Streams() if forked else None))
             process.start()
             theirs.close()
             self._processes.append(process)
