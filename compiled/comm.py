@@ -308,23 +308,15 @@ def _post(kind: Collective, name: str, flat: torch.Tensor, out: torch.Tensor, se
     return works
 
 
-class PostFailed(RuntimeError):
-    """Posting a message failed at once (its peer may have left already): the error,
-    and the global rank at the other end (``peer``, which :func:`.timeouts.failed`
-    names)."""
-
-    def __init__(self, err: RuntimeError, peer: int) -> None:
-        super().__init__(str(err))
-        self.peer = peer
-
-
 def _posted(post, t: torch.Tensor, j: int, members: tuple[int, ...]):
-    """``post([t], j, 0)`` (a send or receive with group rank ``j``), naming the peer
-    if it fails."""
+    """``post([t], j, 0)`` (a send or receive with group rank ``j``); if posting
+    fails at once (its peer may have left already), the error carries the peer's global
+    rank as ``peer``, which :func:`.timeouts.failed` names."""
     try:
         return post([t], j, 0)
     except RuntimeError as err:
-        raise PostFailed(err, members[j]) from None
+        err.peer = members[j]  # type: ignore[attr-defined]
+        raise
 
 
 def wait_all(works: list, site: str, kind: Collective | None) -> None:

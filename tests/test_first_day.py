@@ -383,6 +383,26 @@ def test_the_rank_that_left_is_named(tmp_path):
         assert float(seconds) < 60, (r, seconds)
 
 
+def test_a_message_whose_posting_fails_names_its_peer():
+    """A rank that has left makes gloo's send to it fail while being posted, before any
+    work exists to map to its peer: the error still names that rank (global, not group)."""
+    from mimo_fx import Collective
+    from mimo_fx.compiled import comm, timeouts
+
+    def post(tensors, peer, tag):
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:32990")
+
+    members = (4, 5, 6, 7)  # group rank 2 is global rank 6
+    with pytest.raises(RuntimeError, match="closed by peer") as info:
+        comm._posted(post, torch.ones(1), 2, members)
+    bare = timeouts.failed("", Collective.ALL_TO_ALL, info.value)
+    assert "(rank 6 left) (RuntimeError: [pair.cc:553] Connection closed" in str(bare), bare
+    site = timeouts.at("enc->llm", "forward", 0, "4,5,6,7")
+    err = timeouts.failed(site, Collective.ALL_TO_ALL, info.value)
+    assert "a rank of the group left: rank 6 (it raised" in str(err), err
+    assert "over ranks (4,5,6,7)" in str(err), err
+
+
 # -- 8. the examples check themselves; the DTensor doc and docstring agree ------------------
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 
