@@ -14,8 +14,8 @@ Two counts, each a property of the code's structure rather than of one spelling:
 - **Row special cases outside the layout modules**: every place outside
   ``mimo_fx/layout.py`` and ``mimo_fx/packed.py`` that asks which kind of layout, plan or
   sizing it holds: an ``isinstance``/``issubclass`` whose class names a row kind
-  (``PackedLayout``, ``Selection``, ``RowRouting``, ``RowSizing``, ``RowRoute``), a call of
-  a predicate named ``is_row...``, and a read of a row-kind class (``RowRouting``,
+  (``PackedLayout``, ``Selection``, ``RowRouting``, ``RowSizing``, ``RowRoute``,
+  ``BoxRows``), a call of a predicate named ``is_row...``, and a read of a row-kind class (``RowRouting``,
   ``RowSizing``) or of a bridge's ``.rows`` or a sizing's ``.batched`` flag in a condition
   (``if``, ``while``, conditional expression, ``and``/``or``/``not`` operand).
 """
@@ -32,7 +32,7 @@ LIBRARY = [ROOT / "mimo_fx", ROOT / "compiled", ROOT / "reference"]
 LAYOUT_MODULES = {"mimo_fx/layout.py", "mimo_fx/packed.py"}
 CONTAINERS = {"dict", "list", "set", "deque", "Counter", "defaultdict", "OrderedDict",
               "WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}
-ROW_KINDS = {"PackedLayout", "Selection", "RowRouting", "RowSizing", "RowRoute"}
+ROW_KINDS = {"PackedLayout", "Selection", "RowRouting", "RowSizing", "RowRoute", "BoxRows"}
 
 
 def _files() -> list[Path]:

@@ -88,9 +88,8 @@ def redistribute(x: torch.Tensor | None, src: Layout, dst: Layout, *, sizes=None
         dtype = x.dtype if isinstance(x, torch.Tensor) else torch.float32
     opts = Options(dtype, grad_partial, comm_dtype, checked)
     bridge = bridge_for(src, dst, opts, where="redistribute")
-    if bridge.sizing.batched:  # the call's batch (a bridge serves every batch)
-        return bridge(x, given, src=src, dst=dst)
-    return bridge(x, given)
+    # the call's batch, where the bridge serves several (see CallSizes.batch_of)
+    return bridge(x, given, **bridge.sizing.batch_of(src, dst))
 
 
 def destroy() -> None:

@@ -279,18 +279,7 @@ class Redistributor:
         """A call's batch: the layouts it names, of this bridge's structure."""
         if src is None and dst is None:
             return {}
-        if not self.sizing.batched:
-            raise MimoFxError(self._context() + "src=/dst= give a row bridge its batch; this "
-                              "bridge moves boxes: build a Redistributor for other layouts")
-        out = {}
-        for name, given, own in (("src", src, self.src), ("dst", dst, self.dst)):
-            if given is None:
-                continue
-            if key_of(given) != key_of(own):
-                raise MimoFxError(self._context() + f"{name}={given!r} is not a batch of this "
-                                  f"bridge's {name} {own!r}; build a bridge for it")
-            out[name] = given
-        return out
+        return self.sizing.call_batch(src, dst, self._context())
 
     def start(self, x: torch.Tensor | None, sizes: dict | None = None, *, src=None,
               dst=None, **dim_sizes) -> Pending:

@@ -22,16 +22,8 @@ from typing import Any
 import torch
 
 from mimo_fx.errors import MimoFxError
-from mimo_fx.packed import PackedLayout
 from mimo_fx.plan import size_arguments
-from mimo_fx.rows import (
-    ROUTE_INDEX,
-    check_box_side,
-    is_row_layout,
-    plan_layouts,
-    route_tensors,
-    row_dims,
-)
+from mimo_fx.rows import ROUTE_INDEX, is_row_pair, plan_layouts, route_tensors, row_dims, row_side
 
 from . import lowering
 from .guard import runtime_check
@@ -54,7 +46,7 @@ def sizing_for(src, dst, fixed: dict | None, dtype: torch.dtype,
     """The sizing of a ``src -> dst`` bridge, the one place that picks it by the layouts'
     kind: :class:`RowSizing` where a side is a row layout, else :class:`~.sizing.Sizing`.
     A bridge asks it everything else through :class:`~.sizing.CallSizes`."""
-    kind = RowSizing if is_row_layout(src) or is_row_layout(dst) else Sizing
+    kind = RowSizing if is_row_pair(src, dst) else Sizing
     return kind(src, dst, fixed, dtype, grad_partial, rank, context)
 
 
@@ -66,14 +58,16 @@ class RowSizing(CallSizes):
     def __init__(self, src, dst, fixed: dict | None, dtype: torch.dtype,
                  grad_partial: tuple[str, ...], rank: int, context: str) -> None:
         self.row_dims = row_dims(src, dst)
-        self.sides = (_side(src, self.row_dims), _side(dst, self.row_dims))
+        self.sides = (row_side(src), row_side(dst))
+        for side in self.sides:
+            side.check_side(self.row_dims)
         self.src, self.dst, self.dtype, self.rank = src, dst, dtype, rank
         self.grad_partial, self.context = tuple(grad_partial), context
         self.features = tuple(d for d in src.dims if d not in self.row_dims)
         self.fixed = size_arguments(src, dst, fixed, {}, "Redistributor", ()) if fixed else {}
         # one row dim whose count both sides' batches give: no call gives or learns it
-        implied = self.row_dims if len(self.row_dims) == 1 and all(
-            side.counts_rows for side in self.sides) else ()
+        implied = set(self.sides[0].implied(self.row_dims)) & set(
+            self.sides[1].implied(self.row_dims))
         self.free = tuple(d for d in src.dims if d not in self.fixed and d not in implied)
         self.union = tuple(sorted(set(src.grid.ranks) | set(dst.grid.ranks)))
         union = (self.union,) if len(self.union) > 1 else ()
@@ -88,7 +82,21 @@ class RowSizing(CallSizes):
         self._last = (src, dst)  # the batch of the last eager call
         self.name = ""  # its bridge's (see .live), set by the bridge
 
-    batched = True  # a call may bring another batch of the same structure
+    def batch_of(self, src, dst) -> dict:
+        return {"src": src, "dst": dst}  # a call may bring another batch of its structure
+
+    def call_batch(self, src, dst, context: str) -> dict:
+        """The layouts a call names (``src=``/``dst=``), each of this bridge's
+        structure."""
+        out = {}
+        for name, given, own in (("src", src, self.src), ("dst", dst, self.dst)):
+            if given is None:
+                continue
+            if key_of(given) != key_of(own):
+                raise MimoFxError(context + f"{name}={given!r} is not a batch of this "
+                                  f"bridge's {name} {own!r}; build a bridge for it")
+            out[name] = given
+        return out
 
     @property
     def variables(self) -> tuple:
@@ -100,8 +108,12 @@ class RowSizing(CallSizes):
 
     # -- a call's sizes (given, missing: CallSizes) ----------------------------------------
     def batch(self, layouts: dict) -> list[torch.Tensor]:
-        src, dst = self.sides
-        return src.batch(layouts.get("src", self.src)) + dst.batch(layouts.get("dst", self.dst))
+        src, dst = self._call_sides(layouts.get("src", self.src), layouts.get("dst", self.dst))
+        return src.batch() + dst.batch()
+
+    def _call_sides(self, src, dst) -> tuple:
+        """The row sides of a call that brings layouts ``src``/``dst`` (its batch)."""
+        return self.sides[0].for_call(src), self.sides[1].for_call(dst)
 
     @property
     def varies(self) -> bool:
@@ -120,8 +132,24 @@ class RowSizing(CallSizes):
     def sizes_from(self, rows: torch.Tensor, known: dict, ranks=None) -> dict:
         """The sizes the src holders' shapes show (see :mod:`.learn`): a box src's every
         dim; a row src's features only (its rows are its batch's)."""
-        return self.sides[0].sizes_from(self, rows.view(len(ranks or self.union), -1),
-                                        known, ranks or self.union)
+        from .learn import learn_sizes
+
+        ranks = ranks or self.union
+        table = rows.view(len(ranks), -1)
+        return self.sides[0].sizes_shown(
+            lambda: learn_sizes(table, ranks, self.src, known, self.print_, self.dtype,
+                                self.context),
+            lambda: self._features(table, known, ranks))
+
+    def _features(self, table: torch.Tensor, known: dict, ranks: tuple[int, ...]) -> dict:
+        """``known`` and the feature sizes the first src holder's row shows (each entry
+        read is a SymInt in a graph: one holder's only)."""
+        out = dict(known)
+        first = next(i for i, r in enumerate(ranks) if self.src.holds(r))
+        row = table[first, 5:5 + len(self.features)]  # (the header, the row count)
+        for d, size in zip(self.features, row.tolist()):
+            out.setdefault(d, size)
+        return out
 
     # -- the route and the programs ------------------------------------------------------
     def programs(self, full: dict, learned: frozenset, x=None, src=None, dst=None
@@ -138,8 +166,9 @@ class RowSizing(CallSizes):
             # the row sizes as ints (a row dim both sides' batches count is in no
             # call's sizes: read as one int), and how they read back
             flat, spec = flat_sizes({d: full.get(d, 0) for d in self.row_dims})
-            index, counts = _route_op(f"{self.name}|{spec}", self.sides[0].data(src, flat),
-                                      self.sides[1].data(dst, flat))
+            s_side, d_side = self._call_sides(src, dst)
+            index, counts = _route_op(f"{self.name}|{spec}", s_side.batch_data(flat),
+                                      d_side.batch_data(flat))
             values = counts.tolist()
             digest = values.pop()
             for v in values:
@@ -155,7 +184,10 @@ class RowSizing(CallSizes):
         """A batch's digest (checked mode compares it across ranks)."""
         from .guard import fingerprint
 
-        return fingerprint(self.sides[0].key(src, full), self.sides[1].key(dst, full))
+        return fingerprint(*self._keys(src, dst, full))
+
+    def _keys(self, src, dst, full: dict) -> tuple:
+        return tuple(side.batch_key(full, self.row_dims) for side in self._call_sides(src, dst))
 
     def plan(self, src, dst, full: dict):
         """The row routing of a batch (every rank's part: checked mode names any
@@ -170,7 +202,7 @@ class RowSizing(CallSizes):
     def route(self, src, dst, full: dict, device=None):
         """This rank's route for a batch and its index vectors (planned once per
         batch, cached)."""
-        key = (self.sides[0].key(src, full), self.sides[1].key(dst, full), str(device))
+        key = (*self._keys(src, dst, full), str(device))
         hit = self._plans.get(key)
         if hit is None:
             route = self.plan(src, dst, full).route(self.rank)
@@ -209,78 +241,7 @@ class RowSizing(CallSizes):
         self._plans.clear()
 
 
-# -- a batch as ints, and the route op ----------------------------------------------------
-class _BoxSide:
-    """A box layout on one side of a row bridge: it holds whole rows (checked), and a
-    call's batch on it is the row dims' sizes (a ragged dim's counts)."""
-
-    counts_rows = False  # the row sizes are given or learned per call
-
-    def __init__(self, layout, rows: tuple[str, ...]) -> None:
-        check_box_side(layout, rows)
-        self.layout, self.row_dims = layout, rows
-
-    def batch(self, layout) -> list[torch.Tensor]:
-        return []  # (its row sizes are in the call's sizes, which size rows carry)
-
-    def key(self, layout, full: dict) -> tuple:
-        return tuple(full.get(d) for d in self.row_dims)
-
-    def data(self, layout, flat: list) -> torch.Tensor:
-        """The call's row sizes (``flat``, as :func:`~.sizing.flat_sizes` gives them)
-        as one int64 tensor."""
-        from .guard import int_tensor
-
-        return int_tensor(flat, "cpu")
-
-    def from_data(self, values: list[int], spec: str) -> tuple[Any, dict]:
-        return self.layout, read_sizes(values, spec)
-
-    def sizes_from(self, sizing: RowSizing, rows: torch.Tensor, known: dict,
-                   ranks: tuple[int, ...]) -> dict:
-        from .learn import learn_sizes
-
-        return learn_sizes(rows, ranks, self.layout, known, sizing.print_, sizing.dtype,
-                           sizing.context)
-
-
-class _PackedSide:
-    """A row layout on one side: a call's batch is the layout's own data (one bridge
-    serves every batch of its structure)."""
-
-    counts_rows = True  # a batch's lengths give its rows
-
-    def __init__(self, layout, rows: tuple[str, ...]) -> None:
-        self.layout = layout
-
-    def batch(self, layout) -> list[torch.Tensor]:
-        return [layout.data]
-
-    def key(self, layout, full: dict) -> tuple:
-        return (layout.lengths, layout.tokens)
-
-    def data(self, layout, flat: list) -> torch.Tensor:
-        return layout.data
-
-    def from_data(self, values: list[int], spec: str) -> tuple[Any, dict]:
-        return PackedLayout.from_data(self.layout.structure, values), {}
-
-    def sizes_from(self, sizing: RowSizing, rows: torch.Tensor, known: dict,
-                   ranks: tuple[int, ...]) -> dict:
-        out = dict(known)
-        holders = [i for i, r in enumerate(ranks) if self.layout.holds(r)]
-        # the first holder's feature sizes only (each entry read is a SymInt in a graph)
-        row = rows[holders[0], 5:5 + len(sizing.features)]
-        for d, size in zip(sizing.features, row.tolist()):
-            out.setdefault(d, size)
-        return out
-
-
-def _side(layout, rows: tuple[str, ...]) -> _BoxSide | _PackedSide:
-    """One side of a row bridge, the one place :class:`RowSizing` asks its kind."""
-    return (_PackedSide if is_row_layout(layout) else _BoxSide)(layout, rows)
-
-
+# -- the route op ------------------------------------------------------------------------
 _LIB = torch.library.Library("mimo_fx", "FRAGMENT")
 _OUTPUTS = len(ROUTE_INDEX) + 1
 
@@ -288,8 +249,9 @@ _OUTPUTS = len(ROUTE_INDEX) + 1
 def _route_impl(src_data: torch.Tensor, dst_data: torch.Tensor, bridge: str):
     name, _, spec = bridge.rpartition("|")  # (a name may hold "|"; a spec never does)
     sizing = named(name).sizing
-    src, s_sizes = sizing.sides[0].from_data(src_data.tolist(), spec)
-    dst, d_sizes = sizing.sides[1].from_data(dst_data.tolist(), spec)
+    src_values, dst_values = src_data.tolist(), dst_data.tolist()
+    src, s_sizes = sizing.sides[0].from_batch(src_values, read_sizes(src_values, spec))
+    dst, d_sizes = sizing.sides[1].from_batch(dst_values, read_sizes(dst_values, spec))
     full = {**s_sizes, **d_sizes}
     route, index = sizing.route(src, dst, full, src_data.device)
     counts = torch.tensor((*route.counts, sizing._digest(src, dst, full)), dtype=torch.int64)

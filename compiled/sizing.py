@@ -76,9 +76,6 @@ class CallSizes:
     template: Template | None
     print_: int
     name: str
-    #: whether a call may bring its batch (``src=``/``dst=`` layouts of the bridge's
-    #: structure), moved by the same programs
-    batched = False
 
     @property
     def granules(self) -> dict[str, int]:
@@ -98,7 +95,7 @@ class CallSizes:
                  dst=None) -> Programs:
         """This rank's :class:`Programs` for a call at ``full`` sizes (``learned``: the
         dims its size gather learned; ``x``: this rank's src tensor; ``src``/``dst``:
-        the call's batch, on a batched sizing)."""
+        the call's batch, where a call brings one)."""
         raise NotImplementedError
 
     def size_row(self, x, device) -> torch.Tensor:
@@ -145,6 +142,18 @@ class CallSizes:
     def missing(self, given: dict) -> tuple[str, ...]:
         """The free dims a call with ``given`` sizes must learn."""
         return tuple(d for d in self.free if d not in given)
+
+    def batch_of(self, src, dst) -> dict:
+        """The keywords that give a bridge call the batch of layouts ``src``/``dst``
+        (equal in structure to the bridge's): none, where the layouts are the batch
+        (box layouts; a row bridge passes them, :class:`~.rows.RowSizing`)."""
+        return {}
+
+    def call_batch(self, src, dst, context: str) -> dict:
+        """A call's batch from its ``src=``/``dst=`` keywords (None: not given): a box
+        bridge serves its layouts only, so it takes none."""
+        raise MimoFxError(context + "src=/dst= give a row bridge its batch; this bridge "
+                          "moves boxes: build a Redistributor for other layouts")
 
     def batch(self, layouts: dict) -> list[torch.Tensor]:
         """The data of a call's batch (``layouts``: what it passed as ``src=``/``dst=``),

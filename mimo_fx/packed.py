@@ -597,6 +597,65 @@ class PackedLayout:
         where = self._selected_at(tokens)
         return where[where >= 0]
 
+    # -- as a side of a row plan (the protocol mimo_fx.rows.BoxRows lists) ---------------
+    def row_map(self, sizes: Mapping[str, object], rows: tuple[str, ...]
+                ) -> dict[int, list[int]]:
+        """Per rank, the global row of each local row (its batch's: no size needed)."""
+        return {r: self.rows(r).tolist() for r in self.holders}
+
+    def check_side(self, rows: tuple[str, ...]) -> None:
+        """Nothing to check: a packed layout holds whole rows by construction."""
+
+    def count_rows(self, sizes: dict, rows: tuple[str, ...]) -> dict:
+        """``sizes`` with the row dim's size this batch gives (one row dim), checked
+        against the batch's rows: the row dims' sizes must multiply to :attr:`n_rows`."""
+        out = dict(sizes)
+        if len(rows) == 1 and rows[0] not in out:
+            out[rows[0]] = self.n_rows
+        n = 1
+        for d in rows:
+            if d not in out:
+                raise MimoFxError(f"the size of {d!r} is needed: {rows} flatten into the "
+                                  f"rows of {self.describe()!r}; give it (e.g. {d}=...)")
+            size = out[d]
+            n *= sum(size) if isinstance(size, tuple) else size  # type: ignore[arg-type]
+        if n != self.n_rows:
+            raise MimoFxError(
+                f"{self.describe()!r} holds {self.n_rows} rows but the sizes of {rows} give "
+                f"{n} ({', '.join(f'{d}={out[d]}' for d in rows)}); both sides must hold the "
+                f"same rows")
+        return out
+
+    def implied(self, rows: tuple[str, ...]) -> tuple[str, ...]:
+        """The row dim whose size every batch gives (its rows), if there is one."""
+        return rows if len(rows) == 1 else ()
+
+    def sizes_shown(self, learn_shapes, learn_features) -> dict:
+        """The sizes a gather of the holders' local shapes shows: the features only
+        (``learn_features()``; its rows are its batch's)."""
+        return learn_features()
+
+    def for_call(self, layout: PackedLayout) -> PackedLayout:
+        """The side of a call that brings ``layout`` (a batch of this structure): that
+        batch."""
+        return layout
+
+    def batch(self) -> list[torch.Tensor]:
+        """A call's batch as tensors: its :attr:`data`."""
+        return [self.data]
+
+    def batch_key(self, full: Mapping[str, object], rows: tuple[str, ...]) -> tuple:
+        """What makes a call's batch this one: its lengths and selected tokens."""
+        return (self.lengths, self.tokens)
+
+    def batch_data(self, flat: list) -> torch.Tensor:
+        """A call's batch as one int64 vector: :attr:`data`."""
+        return self.data
+
+    def from_batch(self, values: list[int], sizes: dict) -> tuple[PackedLayout, dict]:
+        """The batch of this structure whose :attr:`data` is ``values``, and no sizes."""
+        return PackedLayout.from_data(self.structure, values), {}
+
     def positions(self, rank: int) -> torch.Tensor:
         """Where ``rank``'s rows sit in its full packed storage (of ``local_total``
         tokens): all positions, or a selection's (``storage.index_copy(0, positions,

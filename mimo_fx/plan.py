@@ -644,9 +644,9 @@ def _routed_rows(src, dst, sizes, dtype, grad_partial: tuple[str, ...] = ()
                  ) -> tuple[Plan, Plan] | None:
     """Both plans of a pair with a packed layout on a side, which the row router routes
     (None for a pair of box layouts): the one place the planner asks a layout's kind."""
-    from .rows import is_row_layout, plan_layouts
+    from .rows import is_row_pair, plan_layouts
 
-    if not (is_row_layout(src) or is_row_layout(dst)):
+    if not is_row_pair(src, dst):
         return None
     return row_plans(plan_layouts(src, dst, sizes, _itemsize(dtype), grad_partial))
 

@@ -51,7 +51,8 @@ from .grid import Grid
 from .regions import Box
 
 __all__ = ["RankRoute", "RowRouting", "RowTiling", "RowMap", "plan_rows", "layout_rows",
-           "seed_bytes", "ROUTE_INDEX", "route_tensors"]
+           "seed_bytes", "ROUTE_INDEX", "route_tensors", "row_side", "is_row_layout",
+           "is_row_pair", "row_dims", "BoxRows"]
 
 Ints = tuple[int, ...]
 
@@ -511,24 +512,96 @@ def _check_held(ranks: Ints, dsts: tuple[Ints, ...], holders: list[list[int]]) -
                               f"holds; every needed row must appear in some src_rows")
 
 
-# -- plans between layouts ----------------------------------------------------------------
-def is_row_layout(layout: object) -> bool:
-    """Whether ``layout`` is given row by row (a :class:`~mimo_fx.packed.PackedLayout`)."""
+# -- the row side of a layout ------------------------------------------------------------
+def row_side(layout) -> Any:
+    """``layout`` as one side of a row plan: the one place that asks which kind of layout
+    it is. A :class:`~mimo_fx.packed.PackedLayout` is its own row side (it is given row
+    by row); a box layout is seen through :class:`BoxRows`. Both answer the same
+    questions (:class:`BoxRows` lists them), so nothing that plans, sizes or runs a row
+    plan asks the kind again."""
     from .packed import PackedLayout
 
-    return isinstance(layout, PackedLayout)
+    return layout if isinstance(layout, PackedLayout) else BoxRows(layout)
+
+
+def is_row_layout(layout) -> bool:
+    """Whether ``layout`` is given row by row (its row side names row dims)."""
+    return bool(row_side(layout).row_dims)
+
+
+def is_row_pair(src, dst) -> bool:
+    """Whether a plan from ``src`` to ``dst`` moves rows (a side is given row by row)."""
+    return bool(row_dims(src, dst))
 
 
 def row_dims(src, dst) -> tuple[str, ...]:
-    """The dims a row plan between ``src`` and ``dst`` flattens into rows: the row
-    layout's (src's if both are)."""
-    return (src if is_row_layout(src) else dst).row_dims
+    """The dims a row plan between ``src`` and ``dst`` flattens into rows: those of the
+    side given row by row (src's if both are); () for two box layouts."""
+    return row_side(src).row_dims or row_side(dst).row_dims
+
+
+@dataclass(frozen=True)
+class BoxRows:
+    """A box layout as a side of a row plan: its leading dims hold whole rows (checked by
+    :meth:`check_side`), and a call's batch on it is the row dims' sizes.
+
+    The row-side protocol, which :class:`~mimo_fx.packed.PackedLayout` implements too:
+    ``row_dims`` (the dims it gives row by row; none here), :meth:`row_map`, :meth:`check_side`,
+    :meth:`count_rows`, :meth:`implied`, :meth:`sizes_shown`, and a call's batch as
+    data (:meth:`for_call`, :meth:`batch`, :meth:`batch_key`, :meth:`batch_data`,
+    :meth:`from_batch`)."""
+
+    layout: Any
+    row_dims: tuple[str, ...] = ()
+
+    def row_map(self, sizes: Mapping[str, object], rows: tuple[str, ...]
+                ) -> dict[int, list[int]]:
+        """Per holder, the global row of each local row (:func:`layout_rows`)."""
+        return layout_rows(self.layout, sizes, rows)
+
+    def check_side(self, rows: tuple[str, ...]) -> None:
+        """Raises unless the layout holds whole ``rows`` (:func:`check_box_side`)."""
+        check_box_side(self.layout, rows)
+
+    def count_rows(self, sizes: dict, rows: tuple[str, ...]) -> dict:
+        """``sizes`` with what the side's own rows say of the row dims: nothing here (its
+        row sizes are given or learned)."""
+        return sizes
+
+    def implied(self, rows: tuple[str, ...]) -> tuple[str, ...]:
+        """The row dims whose size every batch of the side gives: none."""
+        return ()
+
+    def sizes_shown(self, learn_shapes, learn_features) -> dict:
+        """The sizes a gather of the holders' local shapes shows: every dim, read from
+        the box shapes (``learn_shapes()``)."""
+        return learn_shapes()
+
+    def for_call(self, layout) -> BoxRows:
+        """The side of a call that brings ``layout``: itself (a box layout's batch is
+        its row sizes, not the layout)."""
+        return self
+
+    def batch(self) -> list[torch.Tensor]:
+        """A call's batch as tensors: none (its row sizes travel as the call's sizes)."""
+        return []
+
+    def batch_key(self, full: Mapping[str, object], rows: tuple[str, ...]) -> tuple:
+        """What makes a call's batch this one: its row sizes."""
+        return tuple(full.get(d) for d in rows)
+
+    def batch_data(self, flat: list) -> torch.Tensor:
+        """A call's batch as one int64 vector: its row sizes, flattened (``flat``)."""
+        return torch.tensor(flat, dtype=torch.int64)
+
+    def from_batch(self, values: list[int], sizes: dict) -> tuple[Any, dict]:
+        """The call's layout and row sizes from :meth:`batch_data`'s ints (``sizes``:
+        them read back as sizes)."""
+        return self.layout, sizes
 
 
 def _row_map(layout, sizes: Mapping[str, object], rows: tuple[str, ...]) -> dict[int, list]:
-    if is_row_layout(layout):
-        return {r: layout.rows(r).tolist() for r in layout.holders}
-    return layout_rows(layout, sizes, rows)
+    return row_side(layout).row_map(sizes, rows)
 
 
 def check_box_side(layout, rows: tuple[str, ...]) -> None:
@@ -559,10 +632,9 @@ def _counted(layout, grad_partial: tuple[str, ...]) -> list[int]:
 
 
 def check_row_sizes(src, dst, sizes: Mapping[str, object]) -> dict[str, object]:
-    """Every dim's size for a row plan between ``src`` and ``dst``: ``sizes`` plus the
-    row layout's token count; raises if they disagree or one is missing."""
-    from .regions import total
-
+    """Every dim's size for a row plan between ``src`` and ``dst``: ``sizes`` plus what a
+    side given row by row says of the row dims; raises if they disagree or one is
+    missing."""
     if set(src.dims) != set(dst.dims):
         raise MimoFxError(
             f"src {src.describe()!r} and dst {dst.describe()!r} must name the same dims; "
@@ -571,21 +643,7 @@ def check_row_sizes(src, dst, sizes: Mapping[str, object]) -> dict[str, object]:
     rows = row_dims(src, dst)
     out = dict(sizes)
     for lay in (src, dst):
-        if not is_row_layout(lay):
-            continue
-        if len(rows) == 1 and rows[0] not in out:
-            out[rows[0]] = lay.n_rows
-        n = 1
-        for d in rows:
-            if d not in out:
-                raise MimoFxError(f"the size of {d!r} is needed: {rows} flatten into the "
-                                  f"rows of {lay.describe()!r}; give it (e.g. {d}=...)")
-            n *= total(out[d])  # type: ignore[arg-type]
-        if n != lay.n_rows:
-            raise MimoFxError(
-                f"{lay.describe()!r} holds {lay.n_rows} rows but the sizes of {rows} give "
-                f"{n} ({', '.join(f'{d}={out[d]}' for d in rows)}); both sides must hold the "
-                f"same rows")
+        out = row_side(lay).count_rows(out, rows)
     missing = [d for d in src.dims if d not in out]
     if missing:
         raise MimoFxError(f"sizes miss dims {missing}; pass the global size of every dim, "
@@ -602,8 +660,7 @@ def plan_layouts(src, dst, sizes: Mapping[str, object], itemsize: int = 4,
 
     rows = row_dims(src, dst)
     for lay in (src, dst):
-        if not is_row_layout(lay):
-            check_box_side(lay, rows)
+        row_side(lay).check_side(rows)
     full = check_row_sizes(src, dst, sizes)
     n = 1
     for d in rows:

@@ -28,7 +28,7 @@ from mimo_fx.plan import (
     size_arguments,
 )
 from mimo_fx.regions import Box
-from mimo_fx.rows import RowRouting, is_row_layout
+from mimo_fx.rows import RowRouting, is_row_pair, row_side
 from mimo_fx.vjp import apply
 
 __all__ = ["ReferenceExecutor", "redistribute", "run_rows"]
@@ -101,7 +101,7 @@ def redistribute(
         raise MimoFxError(f"redistribute: pieces are on several devices "
                           f"{sorted(map(str, devices))}; the reference backend runs every "
                           f"rank in one process: move them to one device (e.g. .cpu())")
-    if is_row_layout(src) or is_row_layout(dst):
+    if is_row_pair(src, dst):
         full = _row_sizes(pieces, src, dst, given)
     else:
         full = infer_sizes(src, {r: tuple(pieces[r].shape) for r in src.holders}, given)
@@ -121,8 +121,9 @@ def _row_sizes(pieces: Mapping[int, torch.Tensor], src, dst, given: dict) -> dic
     sizes = dict(given)
     for d, n in zip(features, like.shape[1:]):
         sizes.setdefault(d, int(n))
-    if not is_row_layout(src):
-        sizes = {**infer_sizes(src, {r: tuple(pieces[r].shape) for r in src.holders}, sizes)}
+    sizes = row_side(src).sizes_shown(
+        lambda: infer_sizes(src, {r: tuple(pieces[r].shape) for r in src.holders}, sizes),
+        lambda: sizes)
     return check_row_sizes(src, dst, sizes)
 
 

@@ -99,12 +99,13 @@ def shard(x: torch.Tensor, layout: Layout, *, rank: int | None = None,
     >>> shard(torch.arange(5.0).unsqueeze(1), images, rank=1, i=(2, 0, 1, 2)).flatten()
     tensor([2., 3., 4.])
     """
+    if rank is not None and not layout.holds(rank):
+        raise MimoFxError(f"shard: rank {rank} holds no piece of {layout.describe()!r}")
+    if is_row_layout(layout):  # (a rank's rows are its own: one rank costs one rank)
+        pieces = shard_rows(x, layout)
+        return pieces if rank is None else pieces[rank]
     if rank is not None:
-        if not layout.holds(rank):
-            raise MimoFxError(f"shard: rank {rank} holds no piece of {layout.describe()!r}")
-        return shard(x, _only(layout, rank), **counts)[rank]  # type: ignore[arg-type]
-    if is_row_layout(layout):
-        return shard_rows(x, layout)
+        return shard(x, _One(layout, rank), **counts)[rank]  # type: ignore[arg-type]
     if x.dim() != len(layout.dims):
         raise MimoFxError(f"shard: global tensor has {x.dim()} dims {tuple(x.shape)} but "
                           f"layout {layout.pattern!r} names {len(layout.dims)} dims "
@@ -187,12 +188,6 @@ class _One:
 
     def __getattr__(self, name: str):
         return getattr(self._layout, name)
-
-
-def _only(layout, rank: int):
-    if is_row_layout(layout):
-        return layout  # (its rows are a rank's own: one rank costs one rank)
-    return _One(layout, rank)
 
 
 # -- row layouts (a packed batch) ----------------------------------------------------------

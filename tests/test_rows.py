@@ -661,3 +661,42 @@ def test_the_readme_example_puts_image_rows_at_their_tokens(gloo_world):
             torch.testing.assert_close(gloo_world[rank]["example"][k][0], want[c])
         grad = sum(out["example"][k][1] for out in gloo_world)
         torch.testing.assert_close(grad, 2 * features.T @ features)
+
+
+# -- one row-side protocol -------------------------------------------------------------------
+ROW_SIDE = ("row_dims", "row_map", "check_side", "count_rows", "implied", "sizes_shown",
+            "for_call", "batch", "batch_key", "batch_data", "from_batch")
+
+
+def test_box_and_packed_layouts_answer_one_row_side_protocol():
+    """A box layout's row side (BoxRows) and a PackedLayout answer the same questions, with
+    the same parameters, and each one's row map is what full-tensor math gives: the oracle's
+    pieces of a column of global row ids (+1, so padding's zero reads -1)."""
+    import inspect
+
+    from mimo_fx.rows import BoxRows, is_row_layout, is_row_pair, row_dims, row_side
+
+    box = Layout(Grid(tp=2, dp=2), "(dp t) h")
+    packed = PackedLayout(Grid(cp=2, dp=2), "t h", [[3, 2], [4]])
+    sides = (row_side(box), row_side(packed))
+    assert isinstance(sides[0], BoxRows) and sides[1] is packed
+    for name in ROW_SIDE:
+        members = [getattr(type(side), name, None) for side in sides]
+        assert all(m is not None for m in members), (name, members)
+        if callable(members[0]):
+            params = [list(inspect.signature(m).parameters) for m in members]
+            assert params[0] == params[1], (name, params)
+    assert (is_row_layout(box), is_row_layout(packed)) == (False, True)
+    assert is_row_pair(box, packed) and is_row_pair(packed, box)
+    assert not is_row_pair(box, box)
+    assert row_dims(box, packed) == row_dims(packed, box) == ("t",)
+    n = packed.n_rows
+    ids = torch.arange(1, n + 1, dtype=torch.float64).unsqueeze(1)
+    for layout, side in zip((box, packed), sides):
+        want = {r: (p[:, 0].long() - 1).tolist() for r, p in shard(ids, layout).items()}
+        assert side.row_map({"t": n, "h": 1}, ("t",)) == want
+    # what a side's own rows say of the row dim: the packed batch gives it, a box none
+    assert sides[0].count_rows({"h": 1}, ("t",)) == {"h": 1}
+    assert packed.count_rows({"h": 1}, ("t",)) == {"h": 1, "t": n}
+    with pytest.raises(MimoFxError, match="holds 9 rows but the sizes of"):
+        packed.count_rows({"t": n + 1, "h": 1}, ("t",))
