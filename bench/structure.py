@@ -15,9 +15,10 @@ Two counts, each a property of the code's structure rather than of one spelling:
   ``mimo_fx/layout.py`` and ``mimo_fx/packed.py`` that asks which kind of layout, plan or
   sizing it holds: an ``isinstance``/``issubclass`` whose class names a row kind
   (``PackedLayout``, ``Selection``, ``RowRouting``, ``RowSizing``, ``RowRoute``,
-  ``BoxRows``), a call of a predicate named ``is_row...``, and a read of a row-kind class (``RowRouting``,
-  ``RowSizing``) or of a bridge's ``.rows`` or a sizing's ``.batched`` flag in a condition
-  (``if``, ``while``, conditional expression, ``and``/``or``/``not`` operand).
+  ``BoxRows``), a call of a predicate named ``is_row...``, and a read of a row-kind
+  class (``RowRouting``, ``RowSizing``) or of a bridge's ``.rows`` or a sizing's
+  ``.batched`` flag in a condition (``if``, ``while``, conditional expression,
+  ``and``/``or``/``not`` operand).
 """
 
 from __future__ import annotations

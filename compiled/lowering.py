@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from functools import reduce
 from itertools import product
 from math import prod
-from typing import Any
+from typing import Any, cast
 
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout
@@ -48,11 +48,12 @@ from mimo_fx.plan import (
     kind_of,
 )
 from mimo_fx.regions import Box, Interval, Tiling, box_volume
+from mimo_fx.rows import RankRoute, RowTiling
 from mimo_fx.symbolic import Expr, Undecided, hint, known_ge, smax, smin
 from mimo_fx.templates import Symbolizer
 
 __all__ = ["View", "Cat", "Scatter", "Take", "AddAt", "Op", "Program", "lower", "lower_rows",
-           "coalesce", "at", "evaluator", "symbolic", "row_variables"]
+           "lower_route", "coalesce", "at", "evaluator", "symbolic", "row_variables"]
 
 Block = tuple[tuple[Interval, ...], ...]  # per dim, intervals in storage order
 
@@ -401,14 +402,16 @@ def lower(plan: Plan | RankPlan, rank: int, sym: Symbolizer | None = None) -> Pr
 
 def _boxes(plan: Plan | RankPlan) -> tuple[Layout, Layout, Tiling, Tiling]:
     """A plan between box layouts: its layouts and what src holds and dst needs. A plan
-    moving rows (a packed layout on a side) is not lowered here: a bridge runs it with
-    the row programs (:func:`lower_rows`), the same for every batch."""
+    moving rows (a packed layout on a side) is not lowered here: it runs the row programs
+    (:func:`lower_rows`, the same for every batch) at the numbers and indices
+    :func:`lower_route` reads from it."""
     src, dst, source, need = plan.src, plan.dst, plan.source, plan.need
     if not (isinstance(src, Layout) and isinstance(dst, Layout)
             and isinstance(source, Tiling) and isinstance(need, Tiling)):
         raise MimoFxError(f"lower() takes a plan between box layouts, not {src.describe()!r} "
-                          f"-> {dst.describe()!r}; a bridge with a packed layout on a side "
-                          f"runs the row programs (mimo_fx.compiled.Redistributor does)")
+                          f"-> {dst.describe()!r}; a plan of rows lowers to the row programs' "
+                          f"numbers and indices with lower_route(plan, adjoint, rank) (a "
+                          f"mimo_fx.compiled.Redistributor does this)")
     return src, dst, source, need
 
 
@@ -672,3 +675,53 @@ def lower_rows(ranks: tuple[int, ...], features: tuple[str, ...], holds_src: boo
                   AddAt((n_src, *feat), 6, View(1, None)) if holds_src else None, False,
                   None, None, 1 + len(feat), (n_dst, *feat) if holds_dst else None)
     return fwd, bwd
+
+
+def lower_route(fwd: Plan | RankPlan, bwd: Plan | RankPlan, rank: int) -> RankRoute:
+    """``rank``'s part of a row plan (``fwd``) and its adjoint (``bwd``) as the row
+    programs' numbers and index inputs (:func:`lower_rows`): read from the two plans'
+    tilings (:class:`~mimo_fx.rows.RowTiling`: each local row's global row) and their one
+    exchange each (transfers of runs of rows). A rank copies the rows it holds and needs
+    itself (its own split of the all-to-all); a cotangent row counts where ``bwd``'s
+    source tiling lists it, summed per distinct row before it is sent."""
+    (step,), (bstep,) = cast(tuple[Exchange], fwd.steps), cast(tuple[Exchange], bwd.steps)
+    ranks = step.ranks
+    src = cast(RowTiling, fwd.source).rows.get(rank, ())
+    dst = cast(RowTiling, fwd.need).rows.get(rank, ())
+    local = {g: k for k, g in enumerate(src) if g >= 0}
+    own = sorted({g for g in dst if g in local})
+    sends, recvs = _peer_rows(step, rank, ranks, own)
+    where = {g: k for k, g in enumerate(g for rows in recvs for g in rows)}  # arrival order
+    real = [k for k, g in enumerate(dst) if g >= 0]
+    # backward: the counted cotangent rows, one slot per distinct row
+    cot = cast(RowTiling, bwd.source).rows.get(rank, ())
+    counted = [k for k, g in enumerate(cot) if g >= 0]
+    distinct = sorted({cot[k] for k in counted})
+    slot = {g: k for k, g in enumerate(distinct)}
+    bsends, bcame = _peer_rows(bstep, rank, ranks, [g for g in distinct if g in local])
+    return RankRoute(
+        send_index=tuple(local[g] for rows in sends for g in rows),
+        send_counts=tuple(map(len, sends)), recv_counts=tuple(map(len, recvs)),
+        gather=tuple(where[dst[k]] for k in real), dst_pos=tuple(real), n_dst=len(dst),
+        bwd_pos=tuple(counted), unique=tuple(slot[cot[k]] for k in counted),
+        n_unique=len(distinct), bsend_index=tuple(slot[g] for rows in bsends for g in rows),
+        bsend_counts=tuple(map(len, bsends)), brecv_counts=tuple(map(len, bcame)),
+        recv_local=tuple(local[g] for rows in bcame for g in rows), n_src=len(src))
+
+
+def _peer_rows(step: Exchange, rank: int, ranks: tuple[int, ...], own: list[int]
+               ) -> tuple[list[list[int]], list[list[int]]]:
+    """Per rank of ``ranks``, the rows ``rank`` sends it and receives from it in
+    ``step`` (rising; its own split: ``own``, the rows it copies itself)."""
+    at = {r: j for j, r in enumerate(ranks)}
+    sends: list[list[int]] = [[] for _ in ranks]
+    recvs: list[list[int]] = [[] for _ in ranks]
+    for t in step.transfers:
+        (a, b), = t.box
+        if t.src == rank:
+            sends[at[t.dst]] += range(a, b)
+        if t.dst == rank:
+            recvs[at[t.src]] += range(a, b)
+    i = at[rank]
+    sends[i], recvs[i] = list(own), list(own)
+    return [sorted(rows) for rows in sends], [sorted(rows) for rows in recvs]

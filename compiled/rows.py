@@ -3,27 +3,38 @@
 A bridge with a :class:`~mimo_fx.packed.PackedLayout` on either side moves rows
 (:mod:`mimo_fx.rows`): one uneven all-to-all over both grids' ranks per direction. Its
 programs (:func:`~.lowering.lower_rows`) are the same for every plan; what changes with
-the batch is the *route*, the plan's part for this rank as tensors: index vectors (the
-programs' inputs) and counts (the programs' numbers). The layouts' batch travels as
+the batch is the *route*, this rank's parts of the batch's two plans (forward and adjoint,
+each a :class:`~mimo_fx.plan.RankPlan`) lowered by
+:func:`~.lowering.lower_route` to tensors: index vectors (the programs' inputs) and
+counts (the programs' numbers). The layouts' batch travels as
 tensors too (:attr:`PackedLayout.data`), so under ``torch.compile`` one graph serves
 every batch: the route is computed while the graph runs, by the ordered op
 ``mimo_fx::route``, which plans in Python on the batch it is given -- the same
 planning, and the same errors, as an eager call.
 
 :class:`RowSizing` answers what :class:`~.sizing.Sizing` answers for box bridges (which
-sizes are fixed, given or learned; the programs and their numbers) and the route.
+sizes are fixed, given or learned; the programs and their numbers) and the route. It
+asks its layouts the row-side protocol (:func:`mimo_fx.rows.row_side`), never their kind.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from mimo_fx.errors import MimoFxError
-from mimo_fx.plan import size_arguments
-from mimo_fx.rows import ROUTE_INDEX, is_row_pair, plan_layouts, route_tensors, row_dims, row_side
+from mimo_fx.plan import RankPlan, row_plans, size_arguments
+from mimo_fx.rows import (
+    ROUTE_INDEX,
+    RowTiling,
+    is_row_pair,
+    plan_layouts,
+    route_tensors,
+    row_dims,
+    row_side,
+)
 
 from . import lowering
 from .guard import runtime_check
@@ -189,23 +200,23 @@ class RowSizing(CallSizes):
     def _keys(self, src, dst, full: dict) -> tuple:
         return tuple(side.batch_key(full, self.row_dims) for side in self._call_sides(src, dst))
 
-    def plan(self, src, dst, full: dict):
-        """The row routing of a batch (every rank's part: checked mode names any
-        rank's)."""
+    def plan(self, src, dst, full: dict, rank: int) -> tuple[RankPlan, RankPlan]:
+        """``rank``'s parts of the plan of a batch and of its adjoint."""
         sizes = {d: full[d] for d in self.row_dims if d in full}
         sizes.update({d: 1 for d in self.features})  # (rows do not depend on them)
         try:
-            return plan_layouts(src, dst, sizes, self.dtype.itemsize, self.grad_partial)
+            return row_plans(plan_layouts(src, dst, sizes, self.dtype.itemsize,
+                                          self.grad_partial), rank)
         except MimoFxError as err:
             raise MimoFxError(self.context + str(err)) from None
 
     def route(self, src, dst, full: dict, device=None):
-        """This rank's route for a batch and its index vectors (planned once per
-        batch, cached)."""
+        """This rank's route for a batch (its plans lowered, :func:`~.lowering.lower_route`)
+        and its index vectors (planned once per batch, cached)."""
         key = (*self._keys(src, dst, full), str(device))
         hit = self._plans.get(key)
         if hit is None:
-            route = self.plan(src, dst, full).route(self.rank)
+            route = lowering.lower_route(*self.plan(src, dst, full, self.rank), self.rank)
             hit = self._plans[key] = (route, route_tensors(route, device)[0])
             if len(self._plans) > CACHED_PLANS:
                 self._plans.popitem(last=False)
@@ -227,11 +238,9 @@ class RowSizing(CallSizes):
         layout = self.src if side == "src" else self.dst
         if not layout.holds(rank):
             return None
-        src, dst = self._last
-        plan = self.plan(src, dst, full)
-        rows = plan.src_rows if side == "src" else plan.dst_rows
-        n = len(rows[plan.index(rank)]) if rank in plan.ranks else 0
-        return (n, *(full[d] for d in self.features))
+        fwd, _ = self.plan(*self._last, full, rank)
+        tiling = cast(RowTiling, fwd.source if side == "src" else fwd.need)
+        return (len(tiling.rows.get(rank, ())), *(full[d] for d in self.features))
 
     def summary(self) -> list[str]:
         return [f": a row bridge, one all_to_all over {len(self.union)} ranks each way; "

@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cache, cached_property, lru_cache
 from math import prod
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, overload
 
 import torch
 
@@ -651,13 +651,19 @@ def _routed_rows(src, dst, sizes, dtype, grad_partial: tuple[str, ...] = ()
     return row_plans(plan_layouts(src, dst, sizes, _itemsize(dtype), grad_partial))
 
 
-def row_plans(routing: Any) -> tuple[Plan, Plan]:
+@overload
+def row_plans(routing: Any, rank: None = None) -> tuple[Plan, Plan]: ...
+@overload
+def row_plans(routing: Any, rank: int) -> tuple[RankPlan, RankPlan]: ...
+def row_plans(routing: Any, rank: int | None = None
+              ) -> tuple[Plan, Plan] | tuple[RankPlan, RankPlan]:
     """Both directions of the row router's ``routing`` (:class:`~mimo_fx.rows.RowRouting`)
     as plans: forward, every rank's src rows to its dst rows; backward, the counted ranks'
     cotangents (each distinct row summed) to every holder of each row. One dim, the rows
     (its element a row of ``routing.row_bytes``; a box, a run of rows), what each rank
     holds a :class:`~mimo_fx.rows.RowTiling`, and one exchange of runs of rows over the
-    routing's ranks each way."""
+    routing's ranks each way. With ``rank``: that rank's parts (:class:`RankPlan`, equal
+    to ``plan.for_rank(rank)``), which list only the transfers it sends or receives."""
     from .rows import RowMap, RowTiling
 
     r = routing
@@ -668,20 +674,26 @@ def row_plans(routing: Any) -> tuple[Plan, Plan]:
     counted = RowTiling({rank: rows if rank in r.counted else (-1,) * len(rows)
                          for rank, rows in zip(r.ranks, r.dst_rows)})
     dims, sizes = (r.dim_name,), ((r.dim_name, r.n_rows),)
-    return (Plan(src, dst, dims, sizes, r.row_bytes, (_row_exchange(r.ranks, r.sends),),
-                 held, used, element="row"),
-            Plan(dst, src, dims, sizes, r.row_bytes,
-                 (_row_exchange(r.ranks, r.backward_sends),), counted, held, element="row"))
+    fwd = (_row_exchange(r.ranks, r.sends, rank),)
+    bwd = (_row_exchange(r.ranks, r.backward_sends, rank),)
+    if rank is None:
+        return (Plan(src, dst, dims, sizes, r.row_bytes, fwd, held, used, element="row"),
+                Plan(dst, src, dims, sizes, r.row_bytes, bwd, counted, held, element="row"))
+    return (RankPlan(src, dst, dims, sizes, r.row_bytes, fwd, held, used, element="row",
+                     rank=rank),
+            RankPlan(dst, src, dims, sizes, r.row_bytes, bwd, counted, held, element="row",
+                     rank=rank))
 
 
-def _row_exchange(ranks: tuple[int, ...], sends) -> Exchange:
+def _row_exchange(ranks: tuple[int, ...], sends, rank: int | None = None) -> Exchange:
     """``sends[i][j]`` (the rising rows ``ranks[i]`` sends ``ranks[j]``) as one exchange:
-    a transfer per run ``[a, b)`` of consecutive rows."""
+    a transfer per run ``[a, b)`` of consecutive rows (with ``rank``: only those it
+    sends or receives, in the same order)."""
     from .rows import runs
 
     return Exchange(tuple(Transfer(s, d, (run,)) for i, s in enumerate(ranks)
-                          for j, d in enumerate(ranks) for run in runs(sends[i][j])),
-                    ranks)
+                          for j, d in enumerate(ranks) if rank is None or rank in (s, d)
+                          for run in runs(sends[i][j])), ranks)
 
 
 def backward_layouts(src: Layout, dst: Layout, grad_partial=()) -> tuple[Layout, Layout]:

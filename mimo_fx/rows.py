@@ -20,11 +20,13 @@ cotangents count unless it is a replica of another (``counted``: the ranks whose
 cotangents count; a dst replicated over an axis takes them as consistent, as box plans
 do, unless ``grad_partial`` names the axis). Each direction is one uneven
 ``all_to_all`` over the plan's ranks (a rank's own rows take its self split: a local
-copy), its per-rank numbers in :class:`RankRoute`, so executors decide nothing.
+copy).
 
 The router's :class:`RowRouting` counts rows; :func:`mimo_fx.plan` makes it two ordinary
 plans (:func:`~mimo_fx.plan.row_plans`): one dim, the rows, an exchange of runs of rows,
-and what each rank holds a :class:`RowTiling`.
+and what each rank holds a :class:`RowTiling`. Lowering reads a rank's numbers and index
+vectors (:class:`RankRoute`) from the two plans
+(:func:`mimo_fx.compiled.lowering.lower_route`), so executors decide nothing.
 
 >>> p = plan_rows({0: [0, 1], 1: [2, 3]}, {0: [3, 0, 3], 1: [1]}, n_rows=4)
 >>> print(p)
@@ -33,8 +35,6 @@ rows: 4 rows over ranks (0, 1), 1 all_to_all each way
   cost: max recv 1 row(s)/rank (lower bound 1)
 >>> p.received(), p.needed_rows()
 ({0: 1, 1: 1}, {0: 1, 1: 1})
->>> p.route(0).gather  # rank 0's dst rows from what it receives: its own 0, then 3
-(1, 0, 1)
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ ROUTE_INDEX = ("send_index", "gather", "dst_pos", "bwd_pos", "unique", "bsend_in
 
 @dataclass(frozen=True)
 class RankRoute:
-    """One rank's part of a row plan, both directions (every count per peer, in the
-    plan's rank order, the rank's own split included).
+    """One rank's part of a row plan, both directions, as the row programs take it (every
+    count per peer, in the plan's rank order, the rank's own split included).
 
     Forward: ``send = x[send_index]`` cut by ``send_counts``; it receives ``recv_counts``
     rows per peer; its dst piece is ``n_dst`` rows, zero but at ``dst_pos``, where
@@ -110,11 +110,16 @@ def route_tensors(route: RankRoute, device=None) -> tuple[tuple[torch.Tensor, ..
 def runs(rows: Sequence[int]) -> list[tuple[int, int]]:
     """Rising distinct rows as maximal runs ``[a, b)`` of consecutive ones."""
     out: list[tuple[int, int]] = []
+    start = end = -1  # the run so far, [start, end) (none yet: -1)
     for g in rows:
-        if out and out[-1][1] == g:
-            out[-1] = (out[-1][0], g + 1)
-        else:
-            out.append((g, g + 1))
+        if g == end:
+            end = g + 1
+            continue
+        if start >= 0:
+            out.append((start, end))
+        start, end = g, g + 1
+    if start >= 0:
+        out.append((start, end))
     return out
 
 
@@ -199,7 +204,8 @@ class RowRouting:
     ``src_rows``/``dst_rows``: per rank of :attr:`ranks`, the global row of each local
     row (-1: padding); ``counted``: the dst ranks whose cotangents count;
     ``sender``: per global row, the rank that sends it (-1 if nobody needs it from
-    another rank); ``sends[i][j]``: the rows ``ranks[i]`` sends ``ranks[j]``, rising.
+    another rank); ``sends[i][j]``: the rows ``ranks[i]`` sends ``ranks[j]``, rising;
+    ``holders``: per global row, the ranks holding it, rising.
     """
 
     n_rows: int
@@ -209,6 +215,7 @@ class RowRouting:
     counted: frozenset[int]
     sender: tuple[int, ...]
     sends: tuple[tuple[Ints, ...], ...]
+    holders: tuple[Ints, ...]
     row_bytes: int = 4  # bytes of one row (its elements times the item size)
     src: Any = None  # the layouts planned between (plan_layouts), None for raw maps
     dst: Any = None
@@ -221,14 +228,10 @@ class RowRouting:
         return self.ranks.index(rank)
 
     @cached_property
-    def _holders(self) -> list[list[int]]:
-        return _holders(self.ranks, self.src_rows, self.n_rows)
-
-    @cached_property
     def backward_sends(self) -> list[list[list[int]]]:
         """``[i][j]``: the distinct rows counted rank ``ranks[i]`` sends holder
         ``ranks[j]`` backward (not itself)."""
-        holders = self._holders
+        holders = self.holders
         out = []
         for i, r in enumerate(self.ranks):
             used = sorted({g for g in self.dst_rows[i] if g >= 0}) if r in self.counted \
@@ -236,40 +239,6 @@ class RowRouting:
             out.append([[g for g in used if h in holders[g]] if j != i else []
                         for j, h in enumerate(self.ranks)])
         return out
-
-    def route(self, rank: int) -> RankRoute:
-        """``rank``'s part of the plan, both directions."""
-        i = self.index(rank)
-        src, dst = self.src_rows[i], self.dst_rows[i]
-        local = {g: k for k, g in enumerate(src) if g >= 0}
-        own = sorted({g for g in dst if g in local})
-        recv = [g for s in range(len(self.ranks)) for g in
-                (own if s == i else self.sends[s][i])]  # arrival order
-        where = {g: k for k, g in enumerate(recv)}
-        send = [local[g] for j in range(len(self.ranks))
-                for g in (own if j == i else self.sends[i][j])]
-        real = [k for k, g in enumerate(dst) if g >= 0]
-        counted = rank in self.counted
-        distinct = sorted({dst[k] for k in real}) if counted else []
-        slot = {g: k for k, g in enumerate(distinct)}
-        bsends = self.backward_sends
-        bsend_rows = [[g for g in distinct if g in local] if j == i else bsends[i][j]
-                      for j in range(len(self.ranks))]
-        came = [bsends[j][i] if j != i else bsend_rows[i] for j in range(len(self.ranks))]
-        return RankRoute(
-            send_index=tuple(send),
-            send_counts=tuple(len(own) if j == i else len(self.sends[i][j])
-                              for j in range(len(self.ranks))),
-            recv_counts=tuple(len(own) if s == i else len(self.sends[s][i])
-                              for s in range(len(self.ranks))),
-            gather=tuple(where[dst[k]] for k in real), dst_pos=tuple(real), n_dst=len(dst),
-            bwd_pos=tuple(real) if counted else (),
-            unique=tuple(slot[dst[k]] for k in real) if counted else (),
-            n_unique=len(distinct),
-            bsend_index=tuple(slot[g] for rows in bsend_rows for g in rows),
-            bsend_counts=tuple(len(rows) for rows in bsend_rows),
-            brecv_counts=tuple(len(rows) for rows in came),
-            recv_local=tuple(local[g] for rows in came for g in rows), n_src=len(src))
 
     @property
     def dim_name(self) -> str:
@@ -412,7 +381,8 @@ def plan_rows(src_rows: Mapping[int, object], dst_rows: Mapping[int, object],
     sender = _choose_senders(ranks, srcs, dsts, holders, n)
     sends = _sends(ranks, srcs, dsts, sender)
     counted_set = frozenset(dst) if counted is None else frozenset(counted) & frozenset(dst)
-    return RowRouting(n, ranks, srcs, dsts, counted_set, sender, sends, row_bytes)
+    return RowRouting(n, ranks, srcs, dsts, counted_set, sender, sends,
+                      tuple(map(tuple, holders)), row_bytes)
 
 
 def _sends(ranks: Ints, srcs: tuple[Ints, ...], dsts: tuple[Ints, ...],
@@ -446,15 +416,18 @@ def _choose_senders(ranks: Ints, srcs: tuple[Ints, ...], dsts: tuple[Ints, ...],
     holder that has the least to send so far (ties: lowest rank)."""
     weight = [0] * n
     for need, have in zip(dsts, srcs):
-        for g in set(need) - set(have) - {-1}:
-            weight[g] += 1
+        for g in set(need).difference(have):
+            if g >= 0:
+                weight[g] += 1
     load = dict.fromkeys(ranks, 0)
     sender = [-1] * n
-    for g in sorted(range(n), key=lambda g: (-weight[g], g)):
-        if weight[g]:
-            s = min(holders[g], key=lambda r: (load[r], r))
-            sender[g] = s
-            load[s] += weight[g]
+    needed = [g for g in range(n) if weight[g]]
+    needed.sort(key=weight.__getitem__, reverse=True)  # (a stable sort: ties by row)
+    for g in needed:
+        rows = holders[g]  # rising: min keeps the lowest of equally loaded ranks
+        s = rows[0] if len(rows) == 1 else min(rows, key=load.__getitem__)
+        sender[g] = s
+        load[s] += weight[g]
     return tuple(sender)
 
 
@@ -486,6 +459,8 @@ def _check_rows(rows: object, n: int, what: str) -> Ints:
     if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
         raise MimoFxError(f"{what} must be a sequence of global rows, got {rows!r}")
     out = tuple(rows)
+    if set(map(type, out)) <= {int} and (not out or -1 <= min(out) and max(out) < n):
+        return out  # (the common case, checked without a Python loop)
     bad = [g for g in out if isinstance(g, bool) or not isinstance(g, int)
            or not -1 <= g < n]
     if bad:

@@ -28,9 +28,9 @@ from threads import ThreadComm, _Rendezvous
 
 from mimo_fx import Grid, Layout, MimoFxError, plan, redistribute
 from mimo_fx.compiled.executor import CompiledExecutor
-from mimo_fx.compiled.lowering import lower, lower_rows, row_variables
+from mimo_fx.compiled.lowering import lower, lower_route, lower_rows, row_variables
 from mimo_fx.packed import PackedLayout, Packing, image_rows, pack_shard
-from mimo_fx.plan import Plan, backward_plan
+from mimo_fx.plan import Plan, backward_plan, row_plans
 from mimo_fx.reference import shard, unshard
 from mimo_fx.reference.executor import run_rows
 from mimo_fx.rows import layout_rows, plan_rows, route_tensors, seed_bytes
@@ -116,7 +116,7 @@ def run_threads(p, x, weights):
         try:
             piece = pieces_of(x, p)[rank].requires_grad_()
             comm = CountingComm(world, rank)
-            route = p.route(rank)
+            route = lower_route(*row_plans(p), rank)
             index, _ = route_tensors(route)
             values = (*route.counts, H)
             (y,) = vjp.apply(CompiledExecutor(comm), fwd, bwd, (piece,), values,
@@ -386,6 +386,24 @@ def test_every_pair_of_layouts_plans_one_plan_type():
         got = redistribute(pieces, src, dst, t=(3, 4)) if src is lay and dst is enc \
             else redistribute(pieces, src, dst)
         assert all(torch.equal(got[r], want[r]) for r in dst.holders)
+
+
+def test_a_ranks_row_plans_are_its_part_of_the_plans():
+    """``row_plans(routing, rank)`` (what a compiled bridge lowers) lists the transfers
+    ``rank`` sends or receives, in order, and the same tilings: ``plan.for_rank(rank)``
+    of each direction."""
+    src = {0: [0, 1, 2], 1: [3, 4], 2: [5, 6, 7]}
+    dst = {0: [7, 0, -1], 1: [1, 2, 3, 5], 2: [4, 6, 0], 3: [6, 6, 2]}
+    p = plan_rows(src, dst, n_rows=8, counted=[0, 1, 3])
+    whole = row_plans(p)
+    for rank in p.ranks:
+        for part, full in zip(row_plans(p, rank), whole):
+            want = full.for_rank(rank)
+            assert part.steps == want.steps and part.rank == rank
+            assert part.steps[0].transfers, "every rank here sends or receives"
+            assert all(rank in (t.src, t.dst) for t in part.steps[0].transfers)
+            assert dict(part.source.rows) == dict(want.source.rows)
+            assert dict(part.need.rows) == dict(want.need.rows)
 
 
 def test_lowering_a_packed_plan_names_the_row_programs():
