@@ -10,9 +10,10 @@ Case: an encoder's ragged ``(dp t) h`` on TP2xDP4 into a ``t h`` packed layout o
 TP2xCP2xDP2 (zigzag), 8 samples of 200-1,200 tokens per batch (about 5,600 rows),
 ranks 0 and 5; then the reverse (packed into the encoder's layout). One process per tree
 per round, the trees alternating and their order flipping each round; each process
-times ``--batches`` batches after one untimed. Reported: ms per route, the median over
-rounds per tree, and the ratio this tree / before computed per round (its range shows
-the noise).
+times ``--batches`` batches after one untimed. Reported: ms per route (a process's median
+route, and its mean, which carries the garbage collections its allocations cause; then
+the median over rounds per tree), and the ratio this tree / before computed per round
+(its range shows the noise).
 
     python bench/row_route.py --before <checkout of an older commit>
 """
@@ -61,7 +62,7 @@ def _time(params: dict) -> dict:
     batches = _batches(params["batches"], params["seed"])
     out = {}
     for name in ("into packed", "out of packed"):
-        took = 0.0
+        took = []
         for rank in (0, 5):
             first = batches[0][0]
             pair = (enc, first) if name == "into packed" else (first, enc)
@@ -71,22 +72,12 @@ def _time(params: dict) -> dict:
                 start = time.perf_counter()
                 sizing.route(src, dst, sizes)
                 if k:  # (the first batch warms the process)
-                    took += time.perf_counter() - start
-        out[name] = took / (2 * params["batches"]) * 1e3
+                    took.append(time.perf_counter() - start)
+        # the median route, and the mean: a garbage collection lands on some calls (at
+        # the same allocation counts in every run), which only the mean carries
+        out[name] = statistics.median(took) * 1e3
+        out[name + ", mean"] = statistics.mean(took) * 1e3
     return out
-
-
-def _import_root(tree: str, folder: str) -> str:
-    """A folder whose ``mimo_fx`` is ``tree``'s package, laid out as installed (see
-    ``bench/versions.py``)."""
-    pkg = os.path.join(folder, "mimo_fx")
-    os.makedirs(pkg)
-    for entry in sorted(os.listdir(os.path.join(tree, "mimo_fx"))):
-        if entry != "__pycache__":
-            os.symlink(os.path.join(tree, "mimo_fx", entry), os.path.join(pkg, entry))
-    for sub in ("compiled", "reference"):
-        os.symlink(os.path.join(tree, sub), os.path.join(pkg, sub))
-    return folder
 
 
 def _run(root: str, tree: str, params: dict) -> dict:
@@ -107,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--batches", type=int, default=10)
     args = parser.parse_args(argv)
+    from versions import _import_root  # (this folder is on sys.path: run as a script)
+
     params = {"batches": args.batches, "seed": 0}
     results: dict[str, list[dict]] = {"this": [], "before": []}
     with tempfile.TemporaryDirectory() as tmp:
