@@ -238,8 +238,11 @@ class Packing:
         block = torch.tensor(self.padded_lengths, dtype=torch.int64) // self.cp
         ends = torch.cumsum(block, 0)
         local = torch.arange(self.local_total)
-        # not repeat_interleave: on a busy machine its thread pool costs milliseconds
-        seq = torch.searchsorted(ends, local, right=True)
+        # a token's sequence: how many blocks end at or before it, as a running count of
+        # the block ends (not searchsorted or repeat_interleave, which split even a few
+        # thousand tokens over the thread pool: milliseconds on a busy machine)
+        ended = torch.zeros(self.local_total + 1, dtype=torch.int64)
+        seq = ended.index_add_(0, ends, torch.ones_like(ends))[:-1].cumsum(0)
         j = local - (ends - block)[seq]  # place within the sequence's block
         chunk = (block // 2 if self.zigzag else block)[seq]
         if not self.zigzag:
