@@ -155,9 +155,12 @@ class RowSizing(CallSizes):
     def _features(self, table: torch.Tensor, known: dict, ranks: tuple[int, ...]) -> dict:
         """``known`` and the feature sizes the first src holder's row shows (each entry
         read is a SymInt in a graph: one holder's only)."""
+        from .learn import HEADER
+
         out = dict(known)
         first = next(i for i, r in enumerate(ranks) if self.src.holds(r))
-        row = table[first, 5:5 + len(self.features)]  # (the header, the row count)
+        at = HEADER + 1  # (after the header, the local shape: its row count, then these)
+        row = table[first, at:at + len(self.features)]
         for d, size in zip(self.features, row.tolist()):
             out.setdefault(d, size)
         return out

@@ -566,8 +566,12 @@ class BoxRows:
         return tuple(full.get(d) for d in rows)
 
     def batch_data(self, flat: list) -> torch.Tensor:
-        """A call's batch as one int64 vector: its row sizes, flattened (``flat``)."""
-        return torch.tensor(flat, dtype=torch.int64)
+        """A call's batch as one int64 vector: its row sizes, flattened (``flat``: ints,
+        or SymInts under ``torch.compile``). Built as a sum with zeros, as
+        ``mimo_fx.compiled.guard.int_tensor`` builds its vectors: a tensor of constants
+        alone would be constant-folded, and the route op it feeds run while tracing."""
+        const = torch.tensor(list(flat), dtype=torch.int64)
+        return torch.zeros(len(flat), dtype=torch.int64) + const
 
     def from_batch(self, values: list[int], sizes: dict) -> tuple[Any, dict]:
         """The call's layout and row sizes from :meth:`batch_data`'s ints (``sizes``:

@@ -562,6 +562,12 @@ def _gloo_rank(rank, world):
             loss.backward()
             got.append((y.detach(), piece.grad, weight))
         out[mode] = (got, counters["stats"]["unique_graphs"])
+    # back out of the packed layout, eagerly, without h: every rank learns it from the
+    # packed holders' pieces (a row side's feature sizes), the rows from the call's t
+    images, counts, x = gloo_case(1)
+    back = redistribute(shard(x, images)[rank] if images.holds(rank) else None, images, ENC,
+                        t=counts, dtype=torch.float64)  # (a rank passing None: its dtype)
+    out["back"] = None if back is None else back.detach()
     out["mistakes"] = _mistakes(rank, Redistributor)
     out["example"] = _example().step(rank, world)
     destroy()
@@ -643,6 +649,16 @@ def test_four_gloo_processes_one_graph_for_every_batch(gloo_world):
                     torch.testing.assert_close(g, want_g[r])
     for mode in ("aot_eager", "inductor"):
         assert [out[mode][1] for out in gloo_world] == [1] * 4, f"{mode}: one graph per rank"
+
+
+@pytest.mark.slow  # a 4-process world compiling with inductor
+def test_a_packed_source_gives_its_feature_size(gloo_world):
+    """A call out of a packed layout that does not give ``h`` learns it from the packed
+    holders' pieces, and every encoder rank gets its rows (the oracle's pieces)."""
+    images, counts, x = gloo_case(1)
+    want = shard(x, ENC, t=counts)
+    for r in range(3):
+        assert torch.equal(gloo_world[r]["back"], want[r]), r
 
 
 @pytest.mark.slow  # a 4-process world compiling with inductor
