@@ -24,7 +24,6 @@ any collective after it.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 from torch._dynamo.exc import UserError, UserErrorType
 
 from mimo_fx.errors import MimoFxError
+from mimo_fx.local import int_tensor
 
 from .live import named
 
@@ -246,14 +246,6 @@ _DTYPES = tuple(getattr(torch, n) for n in ("float64", "float32", "float16", "bf
                                             "int64", "int32", "int16", "int8", "uint8",
                                             "bool", "complex64", "complex128"))
 _DTYPE_CODES = MappingProxyType({d: i + 1 for i, d in enumerate(_DTYPES)})
-
-
-def int_tensor(values: Sequence[Any], device) -> torch.Tensor:
-    """An int64 vector of ``values`` (ints or SymInts). Built as a sum with a zeros
-    tensor: a tensor made from constants alone would be constant-folded by the
-    compiler, which would then run the collective it feeds while tracing."""
-    const = torch.tensor(list(values), dtype=torch.int64, device=device)
-    return torch.zeros(len(values), dtype=torch.int64, device=device) + const
 
 
 # -- the same errors under torch.compile -------------------------------------------------

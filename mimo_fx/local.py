@@ -9,8 +9,9 @@ permutes dims), and say where a global box sits inside the canonical view.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from math import prod
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ from .regions import (
 
 __all__ = ["to_canonical", "from_canonical", "local_shape", "box_slices", "infer_sizes",
            "take", "assemble", "Store", "local_indices",
-           "relative_slices"]
+           "relative_slices", "int_tensor"]
 
 
 def _raise(ok, message) -> None:
@@ -175,3 +176,12 @@ def local_indices(layout: Layout, rank: int, dim: str, size: Size) -> list[int]:
     sizes: dict[str, Size] = {d: (size if d == dim else 1) for d in layout.dims}
     tiling = Tiling.of(layout, (dim,), sizes)
     return [i for a, b in tiling.segments(rank)[0] for i in range(a, b)]
+
+
+def int_tensor(values: Sequence[Any], device) -> torch.Tensor:
+    """An int64 vector of ``values`` (sizes: ints, or SymInts under ``torch.compile``).
+    Built as a sum with a zeros tensor: a tensor made from constants alone would be
+    constant-folded by the compiler, which would then run the op it feeds (a
+    collective, a row route) while tracing."""
+    const = torch.tensor(list(values), dtype=torch.int64, device=device)
+    return torch.zeros(len(values), dtype=torch.int64, device=device) + const

@@ -48,6 +48,7 @@ import torch
 
 from .errors import MimoFxError
 from .grid import Grid
+from .local import int_tensor
 from .regions import Box
 
 __all__ = ["RankRoute", "RowRouting", "RowTiling", "RowMap", "plan_rows", "layout_rows",
@@ -567,11 +568,8 @@ class BoxRows:
 
     def batch_data(self, flat: list) -> torch.Tensor:
         """A call's batch as one int64 vector: its row sizes, flattened (``flat``: ints,
-        or SymInts under ``torch.compile``). Built as a sum with zeros, as
-        ``mimo_fx.compiled.guard.int_tensor`` builds its vectors: a tensor of constants
-        alone would be constant-folded, and the route op it feeds run while tracing."""
-        const = torch.tensor(list(flat), dtype=torch.int64)
-        return torch.zeros(len(flat), dtype=torch.int64) + const
+        or SymInts under ``torch.compile``; see :func:`~mimo_fx.local.int_tensor`)."""
+        return int_tensor(flat, "cpu")
 
     def from_batch(self, values: list[int], sizes: dict) -> tuple[Any, dict]:
         """The call's layout and row sizes from :meth:`batch_data`'s ints (``sizes``:
