@@ -198,16 +198,21 @@ class CompiledExecutor:
 
     def _traced(self, program: Program, tensors: tuple[torch.Tensor, ...], env: dict | None,
                 inputs: tuple[torch.Tensor, ...], direction: str) -> tuple[torch.Tensor, ...]:
-        """:meth:`run` under ``torch.compile``: the same steps as :meth:`start` and
-        :meth:`Started.finish`, as one straight line (the compiler places each wait; no
-        run objects for Dynamo to trace)."""
+        """:meth:`run` under ``torch.compile``: the program's straight-line function
+        where it has one (:mod:`.straight`: far fewer instructions for Dynamo to trace),
+        else the same steps as :meth:`start` and :meth:`Started.finish` in one line (the
+        compiler places each wait; no run objects for Dynamo to trace)."""
         (local,) = tensors
         num = PLAIN if env is None else Numbers(env)
         if self.check is not None and direction == "backward" \
                 and not self.check(local, program, num):
             return (local.new_zeros((0,) * program.out_ndim),)  # (raises when it runs)
-        entries = [_canonical(local, program, num)]
         comm, wire = self.comms[direction], self.comm_dtype
+        straight = program.straight
+        if straight is not None:
+            prefix = f"{self.name}|{direction}|" if self.name else ""
+            return (straight.run(local, env, inputs, comm, prefix, wire),)
+        entries = [_canonical(local, program, num)]
         for i, op in enumerate(program.ops):
             site = timeouts.at(self.name, direction, i, op.ranks_text) if self.name else ""
             flat = issue(comm, op, _pack(entries, op, wire, num, inputs), num, site)

@@ -143,6 +143,9 @@ class Program:
     out_local: tuple[int, ...] | None   # the dst local shape (None: already so)
     out_ndim: int                       # dims of the dst local tensor (also when empty)
     src_shape: tuple[int, ...] | None = None  # the src local shape; None: holds none
+    # the program as one straight-line function, what a compiled call runs (see
+    # .straight; None: not written, the executor interprets the program)
+    straight: Any = field(default=None, repr=False, compare=False)
 
     @property
     def identity(self) -> bool:
@@ -603,6 +606,8 @@ def _walker(obj: Any):
                   if (w := _walker(getattr(obj, n))) is not _CONST]
         if not fields:
             return _CONST
+        if isinstance(obj, Program):  # (its values: not the template's function)
+            return lambda env: replace(obj, straight=None, **{n: w(env) for n, w in fields})
         return lambda env: replace(obj, **{n: w(env) for n, w in fields})
     return _CONST
 

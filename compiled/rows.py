@@ -36,7 +36,7 @@ from mimo_fx.rows import (
     row_side,
 )
 
-from . import lowering
+from . import lowering, straight
 from .guard import runtime_check
 from .live import named
 from .sizing import CallSizes, Programs, Sizing, flat_sizes, read_sizes
@@ -88,6 +88,7 @@ class RowSizing(CallSizes):
         self.fwd_program, self.bwd_program = lowering.lower_rows(
             self.union, self.features, src.holds(rank), dst.holds(rank))
         lowering.prime((self.fwd_program, self.bwd_program))  # (numbers a trace evaluates)
+        straight.attach(self.fwd_program, self.bwd_program)
         self.print_ = 0
         self._plans: OrderedDict[tuple, Any] = OrderedDict()
         self._last = (src, dst)  # the batch of the last eager call

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
+from dataclasses import replace
 from math import lcm
 from typing import Any, NamedTuple
 
@@ -30,7 +31,7 @@ from mimo_fx.plan import backward_layouts, check_sizes, plan_for_rank, plan_grou
 from mimo_fx.symbolic import Expr
 from mimo_fx.templates import Template, canonical_sizes
 
-from . import lowering
+from . import lowering, straight
 from .guard import TracedError, raise_now, runtime_check
 from .live import named
 
@@ -237,6 +238,7 @@ class Sizing(CallSizes):
                         lowering.evaluator(self.bwd_program))
         else:
             self.fwd_program = self.bwd_program = None  # type: ignore[assignment]
+        straight.attach(self.fwd_program, self.bwd_program)
 
     @property
     def granules(self) -> dict[str, int]:
@@ -444,11 +446,14 @@ def _programs_for(bridge: str, key: tuple) -> tuple[Any, Any]:
     """A bridge's plain programs for sizes its template does not serve: computed while
     tracing (a constant of the graph, which Dynamo then guards on these sizes). Sizes
     the layouts refuse raise the eager call's error (Dynamo would wrap a plain one as
-    an internal error)."""
+    an internal error). They come without straight-line functions (copies, where the
+    template's own came back): a function read from a constant of the graph has no
+    source Dynamo could guard it by, so these are interpreted."""
     try:
-        return named(bridge).sizing.programs_at(key)
+        fwd, bwd = named(bridge).sizing.programs_at(key)
     except MimoFxError as err:
         raise TracedError(str(err)) from None
+    return tuple(p if p.straight is None else replace(p, straight=None) for p in (fwd, bwd))
 
 
 def _check(ok, message: str) -> None:

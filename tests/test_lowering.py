@@ -29,11 +29,14 @@ LARGE = [Case("large_fan_in_zigzag", Layout(Grid(tp=2, dp=4), "(dp b) s h"),
               {"b": 8, "s": 256, "h": 64})]
 
 
+@pytest.mark.parametrize("how", ["interpreted", "straight"])
 @pytest.mark.parametrize("case", CASES + LARGE, ids=case_ids(CASES + LARGE))
-def test_program_forward_and_adjoint_match_oracle(case: Case):
+def test_program_forward_and_adjoint_match_oracle(case: Case, how: str):
+    """Each rank's program, interpreted (an eager call) or as its straight-line function
+    (what a compiled call traces)."""
     x, g = oracle_data(case, 1)
     fwd = plan(case.src, case.dst, case.sizes, torch.float64)
-    ys = run_plan(fwd, shard(x, case.src), len(case.src.local_dims))
+    ys = run_plan(fwd, shard(x, case.src), len(case.src.local_dims), how)
     x_dst = x.permute([case.src.dims.index(d) for d in case.dst.dims])
     if case.dst.partial:  # the partial pieces sum to the input
         held = {r: y for r, y in ys.items() if case.dst.holds(r)}
@@ -43,7 +46,7 @@ def test_program_forward_and_adjoint_match_oracle(case: Case):
         for rank, y in ys.items():
             assert not mismatch(case, y, expected.get(rank), f"rank {rank}: output")
     bwd = backward_plan(case.src, case.dst, case.sizes, torch.float64)
-    grads = run_plan(bwd, shard(g, star(case.dst)), len(case.dst.local_dims))
+    grads = run_plan(bwd, shard(g, star(case.dst)), len(case.dst.local_dims), how)
     for rank, want in expected_input_grad(case, g).items():
         assert not mismatch(case, grads[rank], want, f"rank {rank}: input gradient", exact=True)
 

@@ -24,10 +24,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from threads import ThreadComm, _Rendezvous
+from threads import EXECUTORS, ThreadComm, _Rendezvous
 
 from mimo_fx import Grid, Layout, MimoFxError, plan, redistribute
-from mimo_fx.compiled.executor import CompiledExecutor
 from mimo_fx.compiled.lowering import lower, lower_route, lower_rows, row_variables
 from mimo_fx.packed import PackedLayout, Packing, image_rows, pack_shard
 from mimo_fx.plan import Plan, backward_plan, row_plans
@@ -103,10 +102,11 @@ class CountingComm(ThreadComm):
         return super()._post(kind, ranks, flat, out_splits, in_splits)
 
 
-def run_threads(p, x, weights):
-    """Every rank's lowered row programs (the compiled backend's executor) in its own
-    thread, the all_to_alls met in-process: one all_to_all over the plan's ranks per
-    direction on every rank, through the project's custom vjp."""
+def run_threads(p, x, weights, how="interpreted"):
+    """Every rank's lowered row programs (the compiled backend's executor; ``how``: see
+    ``threads.run_programs``) in its own thread, the all_to_alls met in-process: one
+    all_to_all over the plan's ranks per direction on every rank, through the project's
+    custom vjp."""
     from mimo_fx import vjp
 
     world, out, errors = _Rendezvous(), {}, []
@@ -119,7 +119,7 @@ def run_threads(p, x, weights):
             route = lower_route(*row_plans(p), rank)
             index, _ = route_tensors(route)
             values = (*route.counts, H)
-            (y,) = vjp.apply(CompiledExecutor(comm), fwd, bwd, (piece,), values,
+            (y,) = vjp.apply(EXECUTORS[how](comm), fwd, bwd, (piece,), values,
                              row_variables(len(p.ranks), ("h",)), index)
             (g,) = torch.autograd.grad((y * weights[rank]).sum(), piece, allow_unused=True)
             out[rank] = (y.detach(), torch.zeros_like(piece) if g is None else g)
@@ -153,7 +153,8 @@ def check_all(src_rows, dst_rows, n_rows, threads=True, seed=0, counted=None):
     want = oracle(x, p, weights)
     assert_matches(p, run_reference(p, x, weights), want)
     if threads:
-        assert_matches(p, run_threads(p, x, weights), want)
+        for how in EXECUTORS:
+            assert_matches(p, run_threads(p, x, weights, how), want)
     return p
 
 

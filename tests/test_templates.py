@@ -49,15 +49,16 @@ def _check_at(case: Case, t: Template, programs, seed: int) -> list[str]:
     pieces, cots = shard(x, case.src, **case.counts), shard(g, star(case.dst), **case.counts)
     fwd, bwd = programs
     problems = []
-    for how in ("evaluated", "on the fly"):
+    for how in ("evaluated", "on the fly", "straight"):
         if how == "evaluated":
             ys = run_programs({r: lowering.at(p, env) for r, p in fwd.items()}, pieces,
                               len(case.src.local_dims))
             gs = run_programs({r: lowering.at(p, env) for r, p in bwd.items()}, cots,
                               len(case.dst.local_dims))
-        else:
-            ys = run_programs(fwd, pieces, len(case.src.local_dims), env)
-            gs = run_programs(bwd, cots, len(case.dst.local_dims), env)
+        else:  # the template's numbers at env: by the executor, or by the function
+            run = "straight" if how == "straight" else "interpreted"
+            ys = run_programs(fwd, pieces, len(case.src.local_dims), env, how=run)
+            gs = run_programs(bwd, cots, len(case.dst.local_dims), env, how=run)
         for r in ys:
             problems.append(mismatch(case, ys[r], want_y.get(r), f"{how} rank {r}: output"))
         for r, w in want_g.items():

@@ -12,11 +12,11 @@ import threading
 
 import torch
 
-from mimo_fx.compiled import lowering
+from mimo_fx.compiled import lowering, straight
 from mimo_fx.compiled.comm import OPS, Comm
 from mimo_fx.compiled.executor import CompiledExecutor
 
-__all__ = ["ThreadComm", "run_programs", "run_plan"]
+__all__ = ["ThreadComm", "StraightExecutor", "EXECUTORS", "run_programs", "run_plan"]
 
 
 class _Rendezvous:
@@ -67,17 +67,33 @@ def _compute(members, posts) -> dict[int, torch.Tensor]:
     return dict(zip(members, outs))
 
 
+class StraightExecutor(CompiledExecutor):
+    """Runs each program as its straight-line function (:mod:`mimo_fx.compiled.straight`,
+    what a compiled call traces), here eagerly."""
+
+    def run(self, program, tensors, env=None, inputs=(), *, direction="forward"):
+        straight.attach(program)
+        return (program.straight.run(tensors[0], env, inputs, self.comms[direction], "",
+                                     self.comm_dtype),)
+
+
+EXECUTORS = {"interpreted": CompiledExecutor, "straight": StraightExecutor}
+
+
 def run_programs(programs: dict, inputs: dict[int, torch.Tensor], ndim: int,
-                 env: dict | None = None, dtype=torch.float64) -> dict[int, torch.Tensor]:
+                 env: dict | None = None, dtype=torch.float64,
+                 how: str = "interpreted") -> dict[int, torch.Tensor]:
     """Run every rank's program (``{rank: program}``) at once; ``inputs`` are the src
     pieces (ranks without one pass an empty tensor of ``ndim`` dims). A template
-    program's numbers are evaluated at ``env`` by the executor itself."""
+    program's numbers are evaluated at ``env`` by the executor itself. ``how``:
+    ``"interpreted"`` (the executor's eager run) or ``"straight"`` (the program's
+    straight-line function, what a compiled call runs, called here eagerly)."""
     world = _Rendezvous()
     outs, errors = {}, []
 
     def one(rank):
         try:
-            ex = CompiledExecutor(ThreadComm(world, rank))
+            ex = EXECUTORS[how](ThreadComm(world, rank))
             x = inputs.get(rank)
             if x is None:
                 x = torch.empty((0,) * ndim, dtype=dtype)
@@ -94,10 +110,12 @@ def run_programs(programs: dict, inputs: dict[int, torch.Tensor], ndim: int,
     return outs
 
 
-def run_plan(p, inputs: dict[int, torch.Tensor], ndim: int) -> dict[int, torch.Tensor]:
-    """Run plan ``p``'s lowered program on every rank of both grids."""
+def run_plan(p, inputs: dict[int, torch.Tensor], ndim: int,
+             how: str = "interpreted") -> dict[int, torch.Tensor]:
+    """Run plan ``p``'s lowered program on every rank of both grids (``how``: see
+    :func:`run_programs`)."""
     ranks = sorted(set(p.src.grid.ranks) | set(p.dst.grid.ranks))
-    return run_programs({r: lowering.lower(p, r) for r in ranks}, inputs, ndim)
+    return run_programs({r: lowering.lower(p, r) for r in ranks}, inputs, ndim, how=how)
 
 
 
