@@ -203,15 +203,15 @@ class CompiledExecutor:
         else the same steps as :meth:`start` and :meth:`Started.finish` in one line (the
         compiler places each wait; no run objects for Dynamo to trace)."""
         (local,) = tensors
-        num = PLAIN if env is None else Numbers(env)
-        if self.check is not None and direction == "backward" \
-                and not self.check(local, program, num):
+        if self.check is not None and direction == "backward" and not self.check(
+                local, program, PLAIN if env is None else Numbers(env)):
             return (local.new_zeros((0,) * program.out_ndim),)  # (raises when it runs)
         comm, wire = self.comms[direction], self.comm_dtype
         straight = program.straight
         if straight is not None:
             prefix = f"{self.name}|{direction}|" if self.name else ""
             return (straight.run(local, env, inputs, comm, prefix, wire),)
+        num = PLAIN if env is None else Numbers(env)
         entries = [_canonical(local, program, num)]
         for i, op in enumerate(program.ops):
             site = timeouts.at(self.name, direction, i, op.ranks_text) if self.name else ""

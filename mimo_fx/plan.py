@@ -754,7 +754,8 @@ def size_arguments(src: Layout, dst: Layout, sizes, dim_sizes: dict, where: str,
     if sizes is not None and not isinstance(sizes, Mapping):
         raise MimoFxError(f"{where}: sizes={sizes!r} must be a dict {{dim: global size}}")
     merged = dict(sizes or {})
-    twice = sorted(set(merged) & set(dim_sizes))
+    # (lists, not sets: a compiled call traces this, and Dynamo steps through set ops)
+    twice = sorted([d for d in dim_sizes if d in merged])
     if twice:
         raise MimoFxError(f"{where}: sizes of {twice} are given twice (in sizes= and as "
                           f"keywords); give each once")
@@ -767,7 +768,7 @@ def size_arguments(src: Layout, dst: Layout, sizes, dim_sizes: dict, where: str,
             f"dst {dst.pattern!r} (dims: {', '.join(dims)}) nor an option ("
             f"{', '.join(options)}); size keywords name dims only (a dim named like an "
             f"option goes in sizes={{...}})")
-    ragged = set(src.ragged_dims) | set(dst.ragged_dims)
+    ragged = src.ragged_dims + dst.ragged_dims
     # in the layouts' dim order, whatever order they were given in (two ranks giving the
     # same sizes in another order make the same call), numpy and torch integers as ints
     return {d: _check_size(d, merged[d], d in ragged, f"{where}: ")

@@ -57,7 +57,8 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         executor, _, bwd, variables, values, n_aux = ctx.job
-        grads = tuple(g.contiguous() for g in grads)
+        # (lists, not generators: fewer instructions for Dynamo, which traces this too)
+        grads = tuple([g.contiguous() for g in grads])
         with torch.no_grad():
             if not n_aux:
                 out = executor.run(bwd, grads, _env(variables, values), direction="backward")
@@ -66,7 +67,7 @@ class _Redistribute(torch.autograd.Function):
                                    direction="backward")
         # a rank holding no piece gets an empty gradient: of its input's shape (whatever
         # empty tensor it passed)
-        out = tuple(_like_input(g, s) for g, s in zip(out, ctx.shapes))
+        out = [_like_input(g, s) for g, s in zip(out, ctx.shapes)]
         return (None, *out, *(None,) * n_aux)
 
 
@@ -86,8 +87,8 @@ def _like_input(g: torch.Tensor, shape) -> torch.Tensor:
         return g
     from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
-    if len(g.shape) == len(shape) and all(statically_known_true(a == b)
-                                          for a, b in zip(g.shape, shape)):
+    if len(g.shape) == len(shape) and all([statically_known_true(a == b)
+                                           for a, b in zip(g.shape, shape)]):
         return g
     return g.new_zeros(shape) if guard_or_false(g.numel() == 0) else g
 
@@ -115,7 +116,7 @@ def apply(executor: Executor, fwd, bwd, tensors, values: tuple | None = None,
         # transform active it then calls this very base method
         return _APPLY(job, *tensors, *aux)
     if torch.compiler.is_compiling() and not (
-            torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            torch.is_grad_enabled() and any([t.requires_grad for t in tensors])):
         # nothing to differentiate: Dynamo would trace the forward alone, but it passes it
         # an autograd context for ``job`` when a call has more tensors than forward has
         # named parameters (a row bridge's aux: a compiled no-grad call failed with
