@@ -20,7 +20,7 @@ from . import timeouts
 from .comm import Comm
 from .lowering import AddAt, Cat, Node, Op, Program, Take, View
 
-__all__ = ["CompiledExecutor", "Started", "issue", "Numbers"]
+__all__ = ["CompiledExecutor", "Started", "issue", "Numbers", "take", "add_at"]
 
 
 class Numbers:
@@ -59,16 +59,10 @@ def _build(entries: list, node: Node, num: Numbers, inputs: tuple = ()) -> torch
     if isinstance(node, Cat):
         return torch.cat([_build(entries, part, num, inputs) for part in node.parts], node.dim)
     if isinstance(node, Take):
-        rows = _build(entries, node.node, num, inputs)
-        if _none(rows):  # (its index is empty too: a compiler cannot index no rows)
-            return rows
-        return rows.index_select(0, inputs[node.index])
+        return take(_build(entries, node.node, num, inputs), inputs[node.index])
     if isinstance(node, AddAt):
-        rows = _build(entries, node.node, num, inputs)
-        out = rows.new_zeros(num.all(node.shape))
-        if _none(out):  # nothing to add to (a rank off that side): no op a compiler sees
-            return out
-        return out.index_add_(0, inputs[node.index], rows)
+        return add_at(_build(entries, node.node, num, inputs), num.all(node.shape),
+                      inputs[node.index])
     out = entries[0].new_empty(num.all(node.shape))
     for entry, src, dst in node.writes:
         out[num.index(dst)] = entries[entry][num.index(src)]
@@ -80,6 +74,20 @@ def _none(t: torch.Tensor) -> bool:
     from torch.fx.experimental.symbolic_shapes import guard_or_false
 
     return guard_or_false(t.shape[0] == 0)
+
+
+def take(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """A :class:`Take`: ``rows`` at ``index`` (an interpreted program's and a
+    straight-line function's, :mod:`.straight`)."""
+    # (no rows: its index is empty too, and a compiler cannot index no rows)
+    return rows if _none(rows) else rows.index_select(0, index)
+
+
+def add_at(rows: torch.Tensor, shape: tuple, index: torch.Tensor) -> torch.Tensor:
+    """An :class:`AddAt`: a zero tensor of ``shape`` with ``rows`` added at ``index``."""
+    out = rows.new_zeros(shape)
+    # nothing to add to (a rank off that side): no op a compiler sees
+    return out if _none(out) else out.index_add_(0, index, rows)
 
 
 def _pad(entries: list, item, num: Numbers) -> torch.Tensor:

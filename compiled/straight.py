@@ -25,6 +25,7 @@ import torch
 
 from mimo_fx.symbolic import Expr
 
+from .executor import add_at, take
 from .lowering import AddAt, Cat, Node, Op, Program, Scatter, Take, View
 
 __all__ = ["Straight", "attach", "source"]
@@ -45,24 +46,6 @@ def attach(*programs: Program | None) -> None:
     for program in programs:
         if program is not None and program.straight is None:
             object.__setattr__(program, "straight", Straight(_function(program)))
-
-
-def _none(t: torch.Tensor) -> bool:
-    """Whether ``t`` has no rows, known while tracing (a static 0)."""
-    from torch.fx.experimental.symbolic_shapes import guard_or_false
-
-    return guard_or_false(t.shape[0] == 0)
-
-
-def _take(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    # (no rows: its index is empty too, and a compiler cannot index no rows)
-    return rows if _none(rows) else rows.index_select(0, index)
-
-
-def _add_at(rows: torch.Tensor, shape: tuple, index: torch.Tensor) -> torch.Tensor:
-    out = rows.new_zeros(shape)
-    # nothing to add to (a rank off that side): no op a compiler sees
-    return out if _none(out) else out.index_add_(0, index, rows)
 
 
 class _Writer:
@@ -131,9 +114,9 @@ class _Writer:
             parts = ", ".join(self.node(p) for p in node.parts)
             return f"torch.cat([{parts}], {node.dim})"
         if isinstance(node, Take):
-            return f"_take({self.node(node.node)}, inputs[{node.index}])"
+            return f"take({self.node(node.node)}, inputs[{node.index}])"
         if isinstance(node, AddAt):
-            return f"_add_at({self.node(node.node)}, {self.nums(node.shape)}, " \
+            return f"add_at({self.node(node.node)}, {self.nums(node.shape)}, " \
                    f"inputs[{node.index}])"
         assert isinstance(node, Scatter)
         out = self.temp()
@@ -206,6 +189,6 @@ def _output(w: _Writer, program: Program) -> list[str]:
 
 def _function(program: Program):
     text, consts = source(program)
-    scope: dict[str, Any] = {"torch": torch, "_take": _take, "_add_at": _add_at, **consts}
+    scope: dict[str, Any] = {"torch": torch, "take": take, "add_at": add_at, **consts}
     exec(compile(text, "<mimo_fx program>", "exec"), scope)
     return scope["run"]
