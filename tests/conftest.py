@@ -6,6 +6,9 @@ function after another (:class:`mimo_fx.testing.SpawnedWorlds`; tests/README.md 
 tests still spawn their own world and why). The terminal summary says how many worlds
 were spawned, how many functions each ran and what ended them.
 
+``started_early``: world functions that mostly wait, started with the session's first
+test so that their waits overlap the other tests' work (a module's ``START_EARLY``).
+
 ``two_rounds``: plans whose exchanges across disjoint grids always take two rounds (the
 tests' sizes are small enough for one), for tests of the two-round structure.
 
@@ -39,6 +42,23 @@ def worlds():
     _POOLS.append(pool)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def started_early(request, worlds) -> dict:
+    """World functions started with the session's first test, while the tests before
+    theirs run: a test module's ``START_EARLY`` maps a fixture name to a function
+    ``start(worlds)`` (returning :meth:`SpawnedWorlds.start`'s handle) for a world
+    function that mostly waits (hangs timing out), so that its waits overlap the
+    compiles of the others; started only when a selected test uses that fixture, which
+    takes the handle from this dict (keyed by ``start``) and collects the results."""
+    started: dict = {}
+    for item in request.session.items:
+        early = getattr(getattr(item, "module", None), "START_EARLY", {})
+        for fixture, start in early.items():
+            if fixture in getattr(item, "fixturenames", ()) and start not in started:
+                started[start] = start(worlds)
+    return started
 
 
 @pytest.fixture

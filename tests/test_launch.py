@@ -45,6 +45,13 @@ def _rank_one_dies(rank: int, world: int) -> None:
     dist.all_reduce(torch.ones(1))
 
 
+def _waits_then_sums(rank: int, world: int, seconds: float) -> int:
+    import time
+
+    time.sleep(seconds)
+    return _sum_of_ranks(rank, world, 1)
+
+
 def _leaves_its_world(rank: int, world: int) -> int:
     import torch.distributed as dist
 
@@ -193,3 +200,31 @@ def test_worlds_keep_one_world_per_key_within_a_process_budget():
         worlds.close()
     with pytest.raises(MimoFxError, match="world=0: need at least one process"):
         SpawnedWorld(0)
+
+
+def test_a_started_world_runs_beside_the_caller_and_is_never_closed_for_room():
+    worlds = SpawnedWorlds(max_processes=3)
+    try:
+        assert worlds.run(2, _sum_of_ranks, 1) == [1, 1]
+        pair = worlds.world(2)
+        started = worlds.start(1, _waits_then_sums, 2.0)
+        busy = worlds.world(1)
+        assert busy.busy
+        # room for another world while the busy one waits: the smallest idle world goes
+        # (the busy one would have gone first, being smaller)
+        assert worlds.run(1, _sum_of_ranks, 7, env={"GIVEN": "other"}) == [0]
+        assert busy.alive and busy.busy and not pair.alive
+        assert started.result() == [0] and started.result() == [0]
+        assert not busy.busy and busy.runs == 1
+        # a run of a world whose function was started but not collected takes its
+        # results first (kept for the handle), then runs
+        again = worlds.start(2, _sum_of_ranks, 2)
+        assert worlds.run(2, _sum_of_ranks, 3) == [3, 3] and again.result() == [2, 2]
+        failing = worlds.start(2, _one_rank_fails)
+        with pytest.raises(WorldError, match="rank one's own mistake"):
+            failing.result()
+        pair = worlds.world(2)
+        assert not pair.alive and not pair.busy  # torn down; the next run spawns again
+        assert worlds.run(2, _sum_of_ranks, 1) == [1, 1]
+    finally:
+        worlds.close()

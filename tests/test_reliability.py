@@ -635,13 +635,26 @@ def inductor(worlds):
 
 
 @pytest.fixture(scope="module")
-def eager(worlds):
-    return _timed(worlds, "eager", EAGER)
+def eager(worlds, started_early):
+    started = started_early.pop(_start_eager, None) or _start_eager(worlds)
+    return _by_key(started.result(), EAGER)
+
+
+def _start_eager(worlds):
+    return worlds.start(4, _table, "eager", EAGER, timeout=900, env=ENV, record=True)
+
+
+# the eager table is nearly all waits (its hangs time out, about TIMEOUT each): started
+# with the session's first test, it waits beside the tests that compute (tests/conftest.py)
+START_EARLY = {"eager": _start_eager}
 
 
 def _timed(worlds, mode: str, keys: list[tuple[str, bool]]) -> dict:
     """The mode's table: per (case, checked), every rank's record."""
-    results = worlds.run(4, _table, mode, keys, timeout=900, env=ENV, record=True)
+    return _by_key(worlds.run(4, _table, mode, keys, timeout=900, env=ENV, record=True), keys)
+
+
+def _by_key(results: list, keys: list[tuple[str, bool]]) -> dict:
     return {key: [r[key] for r in results] for key in keys}
 
 

@@ -378,6 +378,7 @@ class SpawnedWorld:
         self._processes: list = []
         self._conns: list[Connection] = []
         self._dir = ""
+        self._started: Started | None = None
         _OPEN.add(self)
 
     @property
@@ -398,25 +399,52 @@ class SpawnedWorld:
         arguments and results picklable. ``timeout`` covers the spawn when the world
         has to be spawned first.
         """
+        return self.start(fn, *args, timeout=timeout).result()
+
+    def start(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> Started:
+        """:meth:`run`, returning at once: the world runs ``fn`` while the caller goes on
+        (e.g. a function that mostly waits for timeouts, beside work that computes);
+        :meth:`Started.result` waits for the results. A later :meth:`run` or
+        :meth:`start` of this world takes the results first, keeping them for it."""
+        if self._started is not None:
+            self._started.collect()
         deadline = time.monotonic() + timeout
         payload = pickle.dumps((fn, args))  # an unpicklable call fails before any rank runs
-        if not self.alive:
-            self.close()
-            self._spawn()
         try:
+            if not self.alive:
+                self.close()
+                self._spawn()
             for conn in self._conns:
                 conn.send_bytes(payload)
-            results, self.retired = self._collect(deadline, timeout)
         except BaseException as err:
-            self.close(kill=True)  # a failed world may be desynchronised: never reused
-            self.retired = f"the function failed: {type(err).__name__}"
-            self.ends.append(f"{getattr(fn, '__qualname__', fn)}: {self.retired}")
+            self._failed(fn, err)
+            raise
+        self._started = Started(self, fn, deadline, timeout)
+        return self._started
+
+    def _finish(self, started: Started) -> list:
+        """The results of the function ``started`` (the world's pending one)."""
+        self._started = None
+        try:
+            results, self.retired = self._collect(started.deadline, started.timeout)
+        except BaseException as err:
+            self._failed(started.fn, err)
             raise
         self.runs += 1
         if self.retired:
             self.close()
-            self.ends.append(f"{getattr(fn, '__qualname__', fn)}: {self.retired}")
+            self.ends.append(f"{getattr(started.fn, '__qualname__', started.fn)}: {self.retired}")
         return results
+
+    def _failed(self, fn, err: BaseException) -> None:
+        self.close(kill=True)  # a failed world may be desynchronised: never reused
+        self.retired = f"the function failed: {type(err).__name__}"
+        self.ends.append(f"{getattr(fn, '__qualname__', fn)}: {self.retired}")
+
+    @property
+    def busy(self) -> bool:
+        """Whether a function started with :meth:`start` has not been collected yet."""
+        return self._started is not None
 
     def _spawn(self) -> None:
         ctx = _context(self.backend)
@@ -511,6 +539,31 @@ class SpawnedWorld:
         _close([self], kill)
 
 
+class Started:
+    """A function a world runs while its caller goes on (:meth:`SpawnedWorld.start`)."""
+
+    def __init__(self, world: SpawnedWorld, fn, deadline: float, timeout: float) -> None:
+        self.world, self.fn, self.deadline, self.timeout = world, fn, deadline, timeout
+        self._outcome: tuple[bool, Any] | None = None
+
+    def collect(self) -> None:
+        """Wait for the results (or the failure), keeping them for :meth:`result`."""
+        if self._outcome is None:
+            try:
+                self._outcome = (True, self.world._finish(self))
+            except BaseException as err:  # noqa: BLE001 - re-raised by result()
+                self._outcome = (False, err)
+
+    def result(self) -> list:
+        """The results by rank, as :meth:`SpawnedWorld.run` returns them (or its error)."""
+        self.collect()
+        assert self._outcome is not None
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
 
@@ -580,15 +633,24 @@ class SpawnedWorlds:
         """``fn(rank, size, *args)`` on every rank of the world for these options, as
         :func:`~mimo_fx.testing.run_world` with the same arguments would, without a spawn
         when the world is already up."""
+        return self.start(size, fn, *args, timeout=timeout, backend=backend,
+                          threads=threads, record=record, env=env).result()
+
+    def start(self, size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
+              backend: str = "gloo", threads: int = 1, record: bool = False,
+              env: Mapping[str, str] | None = None) -> Started:
+        """:meth:`run`, returning at once (:meth:`SpawnedWorld.start`): a world busy with
+        a started function is never closed to make room for another."""
         world = self.world(size, backend=backend, threads=threads, record=record, env=env)
         if not world.alive:
             self._make_room(world)
-        return world.run(fn, *args, timeout=timeout)
+        return world.start(fn, *args, timeout=timeout)
 
     def _make_room(self, new: SpawnedWorld) -> None:
-        live = [w for w in self._worlds.values() if w.alive and w is not new]  # oldest first
+        live = [w for w in self._worlds.values() if w.alive and w is not new and not w.busy]
         live.sort(key=lambda w: w.size)  # (stable: oldest first within a size)
-        excess = sum(w.size for w in live) + new.size - self.max_processes
+        busy = sum(w.size for w in self._worlds.values() if w.alive and w.busy)
+        excess = busy + sum(w.size for w in live) + new.size - self.max_processes
         evict = []
         for world in live:
             if excess <= 0:
