@@ -9,14 +9,14 @@ parameters at the end with the undistributed model's (``mimo_fx.jobs.e2e``); the
 variable variant compiles one graph for every length (its length dims marked dynamic).
 The pp_1f1b variant trains 4 micro-batches per step in Megatron's 1F1B over three
 stages with each stage's compute compiled by inductor, ``loss.backward()`` per
-micro-batch, one graph per stage. The
-packed variant draws a new batch every step (0-3 images per sample, varying text, packed
-over CP2 per sequence with zigzag) and runs its step under aot_eager in one graph for
-every batch, the images delivered by a redistribute into a packed layout at least CP
-times below the seed scheme's bytes. The same model under inductor with
-``loss.backward()`` is the balanced variant's (``tests/test_balance.py``, 8 ranks), and
-packed bridges under inductor are checked on 4 ranks in ``tests/test_rows.py``: an
-inductor compile on 8 processes sharing 2 cores costs about a minute, paid once here.
+micro-batch, one graph per stage. The packed variant draws a new batch every step (0-3
+images per sample, varying text, packed over CP2 per sequence with zigzag) and runs
+eager here, the images delivered by a redistribute into a packed layout at least CP
+times below the seed scheme's bytes: its model and its bridges are compiled in the
+balanced variant (``tests/test_balance.py``: inductor, ``loss.backward()``, one graph
+for every batch on 8 ranks), whose step is the packed step with two more bridges, and
+packed bridges under aot_eager and inductor in ``tests/test_rows.py`` (4 ranks): a
+compile on 8 processes sharing 2 cores costs up to a minute, paid once per model.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow  # spawned worlds, long: not in the fast subset (t
 
 RUNS = [Run("colocated", steps=2), Run("pipelined", steps=2), Run("variable", steps=4),
         Run("fan_out", steps=2, backend="eager"), Run("equal", steps=2, backend="eager"),
-        Run("pp_1f1b", steps=3, backend="inductor"), Run("packed", steps=3)]
+        Run("pp_1f1b", steps=3, backend="inductor"), Run("packed", steps=3, backend="eager")]
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +62,8 @@ def test_pipelined_1f1b_stages_compile_once(results):
     assert res["graphs"] == 1, res["graphs"]
 
 
-def test_packed_batches_change_every_step_in_one_graph(results):
+def test_packed_batches_change_every_step(results):
     res = results["packed"]
-    assert res["graphs"] == 1, res["graphs"]
     assert len({row["bytes_total"] for row in res["rows"]}) > 1  # the packings did change
     for row in res["rows"]:
         assert 0 < 2 * row["image_bytes"] <= row["seed_image_bytes"], row
