@@ -1,12 +1,14 @@
 """The invariant: every rank of a bridge issues the same collectives, in the same order,
-forward and backward, eager or compiled with any backend.
+forward and backward, eager or compiled.
 
 One 8-rank gloo world with Flight Recorder on runs every case of the shared table
 (world <= 8) as one training step -- all bridges in one function, so one compiled graph
-holds them all, as a real step holds several -- under eager, aot_eager and inductor, with
-``loss.backward()`` and (eager) with ``torch.func.grad_and_value``, for 2 steps
-(a desync may only show on the second); the loss.backward() step is traced by Dynamo
-once and that graph compiled by each backend (see ``_Compiled`` and ``RUNS``).
+holds them all, as a real step holds several -- eagerly and under inductor, with
+``loss.backward()`` and (eager) with ``torch.func.grad_and_value``, for 2 steps (a
+desync may only show on the second). Inductor, the backend users train with, is the one
+that may reorder: it compiles the AOT graphs aot_eager would run, through its own
+passes (aot_eager runs on 4 ranks in test_compiled_features.py, and on the learned and
+ragged sizes of test_variable_sizes.py).
 Each rank records what its process groups actually ran; the test then checks, per step:
 
 - every rank ran exactly the collectives the plans give it (forward and backward);
@@ -37,12 +39,12 @@ pytestmark = pytest.mark.slow  # spawned worlds, long: not in the fast subset (t
 
 WORLD = 8
 SAMPLE = [c for c in CASES if c.world <= WORLD]
-BACKENDS = ("eager", "aot_eager", "inductor")
+BACKENDS = ("eager", "inductor")
 MODES = ("backward", "func")
-# each compile of this all-cases graph costs minutes (8 ranks on 2 cores): inductor runs
-# the mode users train with and aot_eager the loss.backward() one; torch.func runs eager
-# here (the order of its collectives) and compiled, values and gradients, in
-# test_compiled_features.py (aot_eager on 4 ranks, inductor on 2)
+# each compile of this all-cases graph costs a minute (8 ranks on 2 cores): inductor runs
+# the mode users train with; torch.func runs eager here (the order of its collectives)
+# and compiled, values and gradients, in test_compiled_features.py (aot_eager on 4
+# ranks, inductor on 2)
 RUNS = [(b, m) for b in BACKENDS for m in MODES if b == "eager" or m == "backward"]
 STEPS = 2  # a desync may only show on the second step
 
@@ -87,28 +89,6 @@ def _inputs(rank: int, cases, step: int, mode: str):
     return xs, cots, want_y, want_g
 
 
-class _Compiled:
-    """One Dynamo graph compiled by each of ``backends``; ``use`` picks the one that runs.
-
-    Dynamo's trace does not depend on the backend, and here it is most of a compile (the
-    whole table in one graph, on 8 ranks sharing 2 cores): tracing once and compiling
-    that graph with every backend checks what one ``torch.compile`` per backend checks,
-    at half the tracing."""
-
-    def __init__(self, backends: tuple[str, ...]) -> None:
-        self.backends = backends
-        self.use = backends[0]
-
-    def __call__(self, gm, example_inputs):
-        from torch._dynamo import lookup_backend
-
-        # aot_eager first: it traces gm into graphs of its own; inductor's passes then
-        # may rewrite gm in place
-        compiled = {name: lookup_backend(name)(gm, example_inputs)
-                    for name in sorted(self.backends, key=lambda b: b != "aot_eager")}
-        return lambda *args: compiled[self.use](*args)
-
-
 def _steps(rank: int, cases, bridges, step, backend: str, mode: str, out: dict) -> None:
     """``STEPS`` steps of ``step`` under ``backend``: the collectives each ran, and every
     output and input gradient against the oracle."""
@@ -151,14 +131,10 @@ def _world(rank: int, world: int, names: list[str], backends: tuple[str, ...]) -
     for mode in MODES:
         if "eager" in backends:
             _steps(rank, cases, bridges, _step_fn(bridges, mode), "eager", mode, out)
-        here = tuple(b for b in compilers if (b, mode) in RUNS)
-        if here:
+        for backend in (b for b in compilers if (b, mode) in RUNS):
             dynamo.reset()
-            compiled = _Compiled(here)
-            step = torch.compile(_step_fn(bridges, mode), backend=compiled, fullgraph=True)
-            for backend in here:
-                compiled.use = backend
-                _steps(rank, cases, bridges, step, backend, mode, out)
+            step = torch.compile(_step_fn(bridges, mode), backend=backend, fullgraph=True)
+            _steps(rank, cases, bridges, step, backend, mode, out)
     expected = sum(expected_calls(b.sizing.fwd, rank) + expected_calls(b.sizing.bwd, rank)
                    for b in bridges)
     for bridge in bridges:
