@@ -433,12 +433,15 @@ class SpawnedWorld:
         self.runs += 1
         if self.retired:
             self.close()
-            self.ends.append(f"{getattr(started.fn, '__qualname__', started.fn)}: {self.retired}")
+            self._ended(started.fn)
         return results
 
     def _failed(self, fn, err: BaseException) -> None:
         self.close(kill=True)  # a failed world may be desynchronised: never reused
         self.retired = f"the function failed: {type(err).__name__}"
+        self._ended(fn)
+
+    def _ended(self, fn) -> None:
         self.ends.append(f"{getattr(fn, '__qualname__', fn)}: {self.retired}")
 
     @property
@@ -647,10 +650,10 @@ class SpawnedWorlds:
         return world.start(fn, *args, timeout=timeout)
 
     def _make_room(self, new: SpawnedWorld) -> None:
-        live = [w for w in self._worlds.values() if w.alive and w is not new and not w.busy]
-        live.sort(key=lambda w: w.size)  # (stable: oldest first within a size)
-        busy = sum(w.size for w in self._worlds.values() if w.alive and w.busy)
-        excess = busy + sum(w.size for w in live) + new.size - self.max_processes
+        alive = [w for w in self._worlds.values() if w.alive and w is not new]  # oldest first
+        excess = sum(w.size for w in alive) + new.size - self.max_processes
+        # a busy world is never closed (stable sort: oldest first within a size)
+        live = sorted((w for w in alive if not w.busy), key=lambda w: w.size)
         evict = []
         for world in live:
             if excess <= 0:
