@@ -204,8 +204,24 @@ def _timeout(tag: str) -> timedelta:
     return timedelta(seconds=timeout_seconds())
 
 
-def acquire(groups: Iterable[Ranks], tag: str = "") -> None:
-    """Create (or reference) every group; call on every rank with the same list."""
+def _new_group(ranks: Ranks, tag: str, what: str):
+    """A new group whose collectives (and setup) time out after ``MIMO_FX_TIMEOUT``; a
+    setup a rank of the world never joins is a MimoFxError, not the store's raw error."""
+    from .timeouts import cause, wait_time
+
+    try:
+        return dist.new_group(list(ranks), timeout=_timeout(tag))
+    except RuntimeError as err:  # (gloo: DistStoreError, DistNetworkError)
+        raise MimoFxError(
+            f"{what}: rank {dist.get_rank()} could not set up the process group of ranks "
+            f"{list(ranks)} within {wait_time()} ({cause(err)}); a rank of the world did "
+            f"not get there in time: it is gone, raised or skipped a build, or the "
+            f"machine is too loaded for that timeout (raise it)") from err
+
+
+def acquire(groups: Iterable[Ranks], tag: str = "", what: str = "mimo_fx") -> None:
+    """Create (or reference) every group; call on every rank with the same list
+    (``what`` names the owner in errors)."""
     _sync_world()
     world = dist.get_world_size()
     for ranks in groups:
@@ -223,7 +239,7 @@ def acquire(groups: Iterable[Ranks], tag: str = "") -> None:
         elif len(ranks) == world and not tag:
             pg = dist.group.WORLD
         else:
-            pg = dist.new_group(list(ranks), timeout=_timeout(tag))
+            pg = _new_group(ranks, tag, what)
             POOL.created += 1
             POOL.retired_done = True  # the retired groups' peers are through connecting
         POOL.groups[tag, ranks] = [pg, 1, mesh is not None]

@@ -55,9 +55,9 @@ class Lease:
         self.data = tuple(dict.fromkeys(data))
         self.tagged = tuple(dict.fromkeys(tagged))
         before = groups.created(), groups.reused()
-        groups.acquire(self.data)
+        groups.acquire(self.data, what=what)
         for tag, ranks in self.tagged:
-            groups.acquire([ranks], tag)
+            groups.acquire([ranks], tag, what)
         self.created = groups.created() - before[0]  # process groups this lease made
         self.reused = groups.reused() - before[1]    # mesh dims' groups it took instead
         self.world = groups.world_token()

@@ -8,7 +8,8 @@ default: a leak of one of them per cycle shows as growth between the 100th and t
 as surely as over 1,000, at a fifth of the group setups a loaded machine must serve in
 time; ``LIFECYCLE_CYCLES`` raises it), and every bridge
 must still move data correctly at the end. After ``destroy_process_group`` a bridge
-built before raises :class:`MimoFxError`, not a torch internal error.
+built before raises :class:`MimoFxError`, not a torch internal error, and so does a
+group's setup that a member never comes to.
 """
 
 from __future__ import annotations
@@ -100,3 +101,35 @@ def test_many_cycles_on_real_subgroups():
     problems = {(rank, name): value for rank, r in enumerate(results)
                 for name, value in r.items() if value is not None}
     assert not problems, problems
+
+
+
+def _missing_member(rank: int, world: int) -> dict:
+    """A member that never comes to a group's setup (rank 1 skips it): rank 0's error
+    and how long it waited, with ``MIMO_FX_TIMEOUT`` at 2 s."""
+    import time
+
+    from mimo_fx.compiled import groups
+
+    os.environ["MIMO_FX_TIMEOUT"] = "2"
+    out: dict = {}
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            groups.acquire([(0, 1)], "missing", "my bridge")
+            out["error"] = None
+        except Exception as err:  # noqa: BLE001 - what it raised is the finding
+            out["error"] = (type(err).__name__, str(err))
+        out["seconds"] = time.monotonic() - start
+    return out
+
+
+def test_a_member_missing_from_a_groups_setup_is_named():
+    """Before, the setup's timeout was torch's raw DistStoreError on the waiting rank."""
+    out, _ = run_world(2, _missing_member, timeout=120)
+    error, text = out["error"]
+    assert error == "MimoFxError", out
+    assert text.startswith("my bridge: rank 0 could not set up the process group of "
+                           "ranks [0, 1] within MIMO_FX_TIMEOUT=2 s (DistStoreError"), text
+    assert "a rank of the world did not get there in time" in text, text
+    assert 2 <= out["seconds"] < 60, out
