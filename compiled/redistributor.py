@@ -217,8 +217,16 @@ class Redistributor:
                 "checked": str(o.checked), "device": self.device.type}
 
     def _context(self) -> str:
-        mode = "checked " if self.options.checked else ""
-        return f"{mode}redistribute {self.src.describe()!r} -> {self.dst.describe()!r}: "
+        """How this bridge's messages start. Made once (the first call, in ``__init__``):
+        every call passes it on, and describing a layout on every call, under
+        ``torch.compile`` too, read data of its batch (a packed layout's selected tokens)
+        that Dynamo then guarded on."""
+        text = self.__dict__.get("_context_text")
+        if text is None:
+            mode = "checked " if self.options.checked else ""
+            text = f"{mode}redistribute {self.src.describe()!r} -> {self.dst.describe()!r}: "
+            self.__dict__["_context_text"] = text
+        return text
 
     # -- the call -----------------------------------------------------------------------
     def __call__(self, x: torch.Tensor | None, sizes: dict | None = None, *, src=None,
@@ -584,14 +592,15 @@ def _awaiting_backward(bridges=None) -> list[torch.Tensor]:
 # handle on the bridge, sharing its state (Dynamo reaches an object it has seen through
 # the first path it saw it by), weakly: a bridge nobody holds can still be collected.
 def _own(layout):
-    """A box layout's own copy (equal, not the caller's object). Under ``torch.compile``
+    """A layout's own copy (equal, not the caller's object). Under ``torch.compile``
     the bridge reaches its layouts through its registered handle, a global, whose ints
     Dynamo keeps static; the caller's layout objects may live in a closure, whose ints
     Dynamo makes symbolic when one step function is compiled again for other layouts
     (automatic dynamic shapes), and Dynamo tracks an object by its identity whichever
     way it is reached: sharing them would make the bridge's grid ints symbolic too, and
-    planning code cannot take symbolic ints."""
-    return copy.deepcopy(layout) if isinstance(layout, Layout) else layout
+    planning code cannot take symbolic ints; and a packed layout's batch would be
+    guarded on as the caller's input."""
+    return copy.deepcopy(layout) if is_layout(layout) else layout
 
 
 def _traced_handle(bridge: Redistributor) -> Redistributor:
