@@ -93,11 +93,9 @@ class Redistributor:
         self.rank = require_world("Redistributor")
         opts = Options(dtype, grad_partial if isinstance(grad_partial, str)  # (refused)
                        else tuple(grad_partial), comm_dtype, checked, device)  # type: ignore[arg-type]
-        for side, lay in (("src", src), ("dst", dst)):
-            if not is_layout(lay):
-                raise MimoFxError(not_a_layout("Redistributor", side, lay))
-        src, dst = _own(src), _own(dst)
+        src, dst = _own("src", src), _own("dst", dst)
         self.src, self.dst, self.options = src, dst, opts
+        self._context_text = _message_prefix(src, dst, opts.checked)
         self.sizing = sizing_for(src, dst, sizes, opts.dtype, opts.grad_partial, self.rank,
                                  self._context())
         self.union, self.involved = self.sizing.union, self.rank in self.sizing.union
@@ -217,16 +215,7 @@ class Redistributor:
                 "checked": str(o.checked), "device": self.device.type}
 
     def _context(self) -> str:
-        """How this bridge's messages start. Made once (the first call, in ``__init__``):
-        every call passes it on, and describing a layout on every call, under
-        ``torch.compile`` too, read data of its batch (a packed layout's selected tokens)
-        that Dynamo then guarded on."""
-        text = self.__dict__.get("_context_text")
-        if text is None:
-            mode = "checked " if self.options.checked else ""
-            text = f"{mode}redistribute {self.src.describe()!r} -> {self.dst.describe()!r}: "
-            self.__dict__["_context_text"] = text
-        return text
+        return self._context_text
 
     # -- the call -----------------------------------------------------------------------
     def __call__(self, x: torch.Tensor | None, sizes: dict | None = None, *, src=None,
@@ -591,16 +580,25 @@ def _awaiting_backward(bridges=None) -> list[torch.Tensor]:
 # cannot take symbolic ints (a grid's ranks, a fingerprint). The registry holds a second
 # handle on the bridge, sharing its state (Dynamo reaches an object it has seen through
 # the first path it saw it by), weakly: a bridge nobody holds can still be collected.
-def _own(layout):
-    """A layout's own copy (equal, not the caller's object). Under ``torch.compile``
-    the bridge reaches its layouts through its registered handle, a global, whose ints
-    Dynamo keeps static; the caller's layout objects may live in a closure, whose ints
-    Dynamo makes symbolic when one step function is compiled again for other layouts
-    (automatic dynamic shapes), and Dynamo tracks an object by its identity whichever
-    way it is reached: sharing them would make the bridge's grid ints symbolic too, and
-    planning code cannot take symbolic ints; and a packed layout's batch would be
-    guarded on as the caller's input."""
-    return copy.deepcopy(layout) if is_layout(layout) else layout
+def _message_prefix(src, dst, checked: bool) -> str:
+    """How a bridge's messages start, made once when it is built: every call passes it
+    on, and describing the layouts on every call read a packed layout's batch (its
+    selected tokens), which Dynamo then guarded on."""
+    return f"{'checked ' if checked else ''}redistribute {src.describe()!r} -> {dst.describe()!r}: "
+
+
+def _own(side: str, layout):
+    """A layout's own copy (equal, not the caller's object); anything else is refused.
+    Under ``torch.compile`` the bridge reaches its layouts through its registered
+    handle, a global, whose ints Dynamo keeps static; the caller's layout objects may
+    live in a closure, whose ints Dynamo makes symbolic when one step function is
+    compiled again for other layouts (automatic dynamic shapes), and Dynamo tracks an
+    object by its identity whichever way it is reached: sharing them would make the
+    bridge's grid ints symbolic too, and planning code cannot take symbolic ints; and a
+    packed layout's batch would be guarded on as the caller's input."""
+    if not is_layout(layout):
+        raise MimoFxError(not_a_layout("Redistributor", side, layout))
+    return copy.deepcopy(layout)
 
 
 def _traced_handle(bridge: Redistributor) -> Redistributor:
