@@ -367,6 +367,8 @@ except AttributeError:  # (this module may be executed twice, e.g. by a doctest 
 def _violated(kind: str, values) -> bool:
     if kind == "multiple":  # values[0] a positive multiple of values[1]
         return values[0] % values[1] != 0 or values[0] < values[1]
+    if kind == "positive":  # every value above zero
+        return any(v <= 0 for v in values)
     if kind == "equal":  # every value the same
         return any(v != values[0] for v in values)
     raise AssertionError(kind)
@@ -393,7 +395,8 @@ except AttributeError:  # (this module may be executed twice, e.g. by a doctest 
 
 def runtime_check(kind: str, values, message: str) -> None:
     """Raise ``MimoFxError(message.format(*values))`` if ``values`` break the rule
-    ``kind`` (``"multiple"``: a positive multiple; ``"equal"``: all equal). Eagerly at
+    ``kind`` (``"multiple"``: a positive multiple; ``"positive"``: all above zero;
+    ``"equal"``: all equal). Eagerly at
     once; under ``torch.compile`` when the graph runs (an ordered op: it runs before
     the collectives that follow it), with the same type and text."""
     if torch.compiler.is_compiling():

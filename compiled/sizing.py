@@ -134,6 +134,10 @@ class CallSizes:
         given = size_arguments(self.src, self.dst, sizes, dim_sizes, "bridge call",
                                CALL_OPTIONS)
         for d, n in given.items():
+            if torch.compiler.is_compiling() and not isinstance(n, tuple):
+                # (plan's check leaves a traced size to this one, made when the graph runs)
+                runtime_check("positive", (n,), self.context + f"size {d}={{}} must be a "
+                              f"positive integer (the global size)")
             if d in self.fixed and not _same(n, self.fixed[d]):
                 raise_now(
                     self.context + f"{d}={n!r} but the bridge was built with {d}="
@@ -301,9 +305,9 @@ class Sizing(CallSizes):
         for d, granule in t.granules.items():
             n = full[d]
             if d in learned:
-                message = (f"{self.context}the learned size {d}={{}} is not a multiple of "
-                           f"{granule} (bridge.granules), which a compiled call with learned "
-                           f"sizes needs; pad it, or give the sizes in the call")
+                message = (f"{self.context}the learned size {d}={{}} is not a positive "
+                           f"multiple of {granule} (bridge.granules), which a compiled call "
+                           f"with learned sizes needs; pad it, or give the sizes in the call")
                 runtime_check("multiple", (n, granule), message)
             elif n % granule != 0:
                 return False

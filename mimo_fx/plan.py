@@ -804,7 +804,7 @@ def _check_size(dim: str, n, ragged: bool = False, prefix: str = ""):
         n = tuple(n)
     if _symbolic(n):
         return n
-    from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
+    from torch.fx.experimental.symbolic_shapes import guard_or_true
 
     if ragged:
         if isinstance(n, tuple):
@@ -820,7 +820,10 @@ def _check_size(dim: str, n, ragged: bool = False, prefix: str = ""):
                           f"counts: {dim}={n!r} must be {what} of non-negative integers "
                           f"(one per ragged shard, or per segment)")
     n = _as_int(n)
-    if isinstance(n, bool) or not isinstance(n, int) or guard_or_false(n <= 0):
+    # (while Dynamo traces, a call's size may be symbolic: the compiled call checks it
+    # when its graph runs, so this check's words are never made of a traced value)
+    if isinstance(n, bool) or not isinstance(n, int) or (
+            not torch.compiler.is_compiling() and n <= 0):
         raise MimoFxError(f"{prefix}size {dim}={n!r} must be a positive integer (the global "
                           f"size)")
     return n

@@ -409,7 +409,8 @@ def _learned_off_granule(case: Case) -> dict:
     then one on it again; then a float64 tensor on the holders (the eager dtype error,
     while tracing);
     then (aot_eager only) the same lengths given in the call: off the granule
-    recompiles and is right."""
+    recompiles and is right; then s=0 given, a MimoFxError on every rank (as eagerly),
+    not Dynamo's error for words made of a traced size."""
     import torch.distributed as dist
 
     rank = case.rank
@@ -432,6 +433,7 @@ def _learned_off_granule(case: Case) -> dict:
     dist.barrier()
     if case.mode == "aot_eager":
         out["given"] = case.attempt(lambda: all([call(given, s, True) for s in (4, 5, 8)]))
+        out["given_zero"] = case.attempt(lambda: call(given, 0, True))
     return out
 
 
@@ -887,7 +889,7 @@ def _traced(words: tuple[str, ...]) -> Expect:
     return Expect(ALL, words, eager_text=True, quiet=ALL)
 
 
-OFF_GRANULE = "the learned size s=5 is not a multiple of 2 (bridge.granules)"
+OFF_GRANULE = "the learned size s=5 is not a positive multiple of 2 (bridge.granules)"
 AOT_EXPECT = {
     **{key: value for key, value in _hangs(1).items() if key in AOT},
     ("wrong_dtype", False): _traced(("tensor dtype torch.float64", "moves torch.float32")),
@@ -913,6 +915,8 @@ LEARNED = {
 AOT_EXPECT.update({("learned_off_granule", False, part): e for part, e in LEARNED.items()})
 AOT_EXPECT["learned_off_granule", False, "given"] = Expect(
     (), right=ALL, bound=3.0)
+AOT_EXPECT["learned_off_granule", False, "given_zero"] = Expect(
+    ALL, ("size s=0 must be a positive integer",), same=True, no_data=True, bound=1.0)
 INDUCTOR_EXPECT = {("learned_off_granule", False, part): e for part, e in LEARNED.items()}
 
 
