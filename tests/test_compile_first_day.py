@@ -168,7 +168,7 @@ def test_ragged_bridges_under_inductor_equal_full_tensor_math(item1, case):
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_a_learned_size_off_the_template_is_a_mimofxerror_on_every_rank(item1, backend):
-    words = "the learned size b=5 is not a multiple of 2 (bridge.granules)"
+    words = "the learned size b=5 is not a positive multiple of 2 (bridge.granules)"
     for rank, res in enumerate(item1):
         rec = res[f"uneven_{backend}"]
         assert rec["granules"].get("b") == 2, rec["granules"]
