@@ -272,6 +272,23 @@ def raise_now(message: str) -> None:
     raise MimoFxError(message)
 
 
+def raise_formatted(message: str, *values) -> None:
+    """Raise ``MimoFxError(message.format(*values))`` for values a call gave: eagerly as
+    it is; while Dynamo traces, made at trace time from the values' example values (the
+    traced code cannot format a size Dynamo made symbolic) and raised as a
+    :class:`TracedError`."""
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(_format_traced)  # reads this frame's locals
+    raise MimoFxError(message.format(*values))
+
+
+def _format_traced(ctx) -> None:
+    message = ctx.get_local("message").as_python_constant()
+    raise TracedError(message.format(*_example(ctx.get_local("values"))))
+
+
 def _guard(bridge: str) -> Guard:
     """Live bridge ``bridge``'s guard (a compiled graph's ops carry the bridge's name, a
     string Dynamo never makes symbolic)."""
@@ -367,8 +384,6 @@ except AttributeError:  # (this module may be executed twice, e.g. by a doctest 
 def _violated(kind: str, values) -> bool:
     if kind == "multiple":  # values[0] a positive multiple of values[1]
         return values[0] % values[1] != 0 or values[0] < values[1]
-    if kind == "positive":  # every value above zero
-        return any(v <= 0 for v in values)
     if kind == "equal":  # every value the same
         return any(v != values[0] for v in values)
     raise AssertionError(kind)
@@ -395,8 +410,7 @@ except AttributeError:  # (this module may be executed twice, e.g. by a doctest 
 
 def runtime_check(kind: str, values, message: str) -> None:
     """Raise ``MimoFxError(message.format(*values))`` if ``values`` break the rule
-    ``kind`` (``"multiple"``: a positive multiple; ``"positive"``: all above zero;
-    ``"equal"``: all equal). Eagerly at
+    ``kind`` (``"multiple"``: a positive multiple; ``"equal"``: all equal). Eagerly at
     once; under ``torch.compile`` when the graph runs (an ordered op: it runs before
     the collectives that follow it), with the same type and text."""
     if torch.compiler.is_compiling():

@@ -32,7 +32,7 @@ from mimo_fx.symbolic import Expr
 from mimo_fx.templates import Template, canonical_sizes
 
 from . import lowering, straight
-from .guard import TracedError, raise_now, runtime_check
+from .guard import TracedError, raise_formatted, raise_now, runtime_check
 from .live import named
 
 __all__ = ["CallSizes", "Programs", "Sizing", "CACHED_SIZES", "CALL_OPTIONS"]
@@ -134,15 +134,26 @@ class CallSizes:
         given = size_arguments(self.src, self.dst, sizes, dim_sizes, "bridge call",
                                CALL_OPTIONS)
         for d, n in given.items():
-            if torch.compiler.is_compiling() and not isinstance(n, tuple):
-                # (plan's check leaves a traced size to this one, made when the graph runs)
-                runtime_check("positive", (n,), self.context + f"size {d}={{}} must be a "
-                              f"positive integer (the global size)")
+            if torch.compiler.is_compiling():
+                self._check_traced(d, n)  # (plan's checks leave traced sizes to this)
             if d in self.fixed and not _same(n, self.fixed[d]):
-                raise_now(
-                    self.context + f"{d}={n!r} but the bridge was built with {d}="
-                    f"{self.fixed[d]!r}; build it without {d!r} to vary it")
+                raise_formatted(
+                    self.context + f"{d}={{!r}} but the bridge was built with {d}="
+                    f"{self.fixed[d]!r}; build it without {d!r} to vary it", n)
         return given
+
+    def _check_traced(self, d: str, n) -> None:
+        """A size the call gives while Dynamo traces: positive (a ragged dim's counts
+        not negative), with words made from its example value."""
+        from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+        if isinstance(n, tuple):
+            if any(guard_or_false(c < 0) for c in n):
+                raise_formatted(self.context + f"dim {d!r} is cut ragged: its counts "
+                                f"{d}={{!r}} must be non-negative integers", n)
+        elif guard_or_false(n <= 0):
+            raise_formatted(self.context + f"size {d}={{!r}} must be a positive integer "
+                            f"(the global size)", n)
 
     def missing(self, given: dict) -> tuple[str, ...]:
         """The free dims a call with ``given`` sizes must learn."""

@@ -804,15 +804,13 @@ def _check_size(dim: str, n, ragged: bool = False, prefix: str = ""):
         n = tuple(n)
     if _symbolic(n):
         return n
-    from torch.fx.experimental.symbolic_shapes import guard_or_true
-
     if ragged:
         if isinstance(n, tuple):
             n = tuple(_as_int(c) for c in n)
         # (a traced count that may be anything passes: a run-time check covers it)
         if isinstance(n, tuple) and n and all(
                 _symbolic(c) or (not isinstance(c, bool) and isinstance(c, int)
-                                 and guard_or_true(c >= 0))
+                                 and (torch.compiler.is_compiling() or c >= 0))
                 for c in n):
             return n
         what = "a tuple" if not isinstance(n, tuple) else "a non-empty tuple"
@@ -820,8 +818,8 @@ def _check_size(dim: str, n, ragged: bool = False, prefix: str = ""):
                           f"counts: {dim}={n!r} must be {what} of non-negative integers "
                           f"(one per ragged shard, or per segment)")
     n = _as_int(n)
-    # (while Dynamo traces, a call's size may be symbolic: the compiled call checks it
-    # when its graph runs, so this check's words are never made of a traced value)
+    # (while Dynamo traces, a call's size may be symbolic: the compiled bridge checks it
+    # and makes the words from its example value; traced code cannot format it)
     if isinstance(n, bool) or not isinstance(n, int) or (
             not torch.compiler.is_compiling() and n <= 0):
         raise MimoFxError(f"{prefix}size {dim}={n!r} must be a positive integer (the global "

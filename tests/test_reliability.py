@@ -409,8 +409,9 @@ def _learned_off_granule(case: Case) -> dict:
     then one on it again; then a float64 tensor on the holders (the eager dtype error,
     while tracing);
     then (aot_eager only) the same lengths given in the call: off the granule
-    recompiles and is right; then s=0 given, a MimoFxError on every rank (as eagerly),
-    not Dynamo's error for words made of a traced size."""
+    recompiles and is right; then s=0 given, and b (fixed at 4) given as 4 then 6: a
+    MimoFxError on every rank naming the value (as eagerly), not Dynamo's error for
+    words made of a size it made symbolic."""
     import torch.distributed as dist
 
     rank = case.rank
@@ -434,6 +435,9 @@ def _learned_off_granule(case: Case) -> dict:
     if case.mode == "aot_eager":
         out["given"] = case.attempt(lambda: all([call(given, s, True) for s in (4, 5, 8)]))
         out["given_zero"] = case.attempt(lambda: call(given, 0, True))
+        fixed = case.compile(lambda x, b: bridge(x, b=b))
+        out["fixed_right"] = case.attempt(lambda: call(lambda x: fixed(x, 4), 8))
+        out["given_fixed"] = case.attempt(lambda: call(lambda x: fixed(x, 6), 8))
     return out
 
 
@@ -917,6 +921,10 @@ AOT_EXPECT["learned_off_granule", False, "given"] = Expect(
     (), right=ALL, bound=3.0)
 AOT_EXPECT["learned_off_granule", False, "given_zero"] = Expect(
     ALL, ("size s=0 must be a positive integer",), same=True, no_data=True, bound=1.0)
+AOT_EXPECT["learned_off_granule", False, "fixed_right"] = Expect((), right=ALL, bound=3.0)
+AOT_EXPECT["learned_off_granule", False, "given_fixed"] = Expect(
+    ALL, ("b=6 but the bridge was built with b=4; build it without 'b'",), same=True,
+    no_data=True, bound=1.0)
 INDUCTOR_EXPECT = {("learned_off_granule", False, part): e for part, e in LEARNED.items()}
 
 
