@@ -17,6 +17,7 @@ import torch
 
 from mimo_fx.constants import constant
 from mimo_fx.errors import MimoFxError
+from mimo_fx.layout import axis_names
 
 __all__ = ["Options", "require_compiler", "OPTION_NAMES"]
 
@@ -43,17 +44,12 @@ class Options:
     device: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.grad_partial, list):
-            object.__setattr__(self, "grad_partial", tuple(self.grad_partial))
+        object.__setattr__(self, "grad_partial", axis_names(self.grad_partial, "grad_partial"))
         for name, value in (("dtype", self.dtype), ("comm_dtype", self.comm_dtype)):
             if not isinstance(value, torch.dtype) and not (name == "comm_dtype" and value is None):
                 raise MimoFxError(f"{name}={value!r} must be a torch.dtype, e.g. torch.bfloat16")
         if not isinstance(self.checked, bool):
             raise MimoFxError(f"checked={self.checked!r} must be True or False")
-        gp = self.grad_partial
-        if isinstance(gp, str) or not isinstance(gp, tuple) or not all(
-                isinstance(a, str) for a in gp):
-            raise MimoFxError(f"grad_partial={gp!r} must be a tuple of axis names, e.g. ('cp',)")
         if self.device is not None:
             object.__setattr__(self, "device", str(torch.device(self.device)))
         _check_comm_dtype(self.dtype, self.comm_dtype)

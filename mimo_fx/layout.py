@@ -33,7 +33,7 @@ __all__ = ["Layout", "Factor"]
 # Names that users use for grid axes; seeing one in a pattern whose grid lacks it is
 # almost certainly a typo, not a tensor dim.
 _AXIS_LIKE = ("tp", "cp", "pp", "dp", "ep", "sp", "etp", "edp")
-_TOKEN = re.compile(r"\s*(\(|\)|[A-Za-z_][A-Za-z0-9_]*|\S)")
+_TOKEN = re.compile(r"\s*(\(|\)|[^\W\d]\w*|\S)")  # names: Unicode identifiers
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,9 @@ class Layout:
                               f"first argument, got {grid!r}")
         if not isinstance(pattern, str):
             raise MimoFxError(f"Layout pattern must be a string, got {pattern!r}")
-        partial = (partial,) if isinstance(partial, str) else tuple(partial)
-        zigzag = (zigzag,) if isinstance(zigzag, str) else tuple(zigzag)
-        ragged = (ragged,) if isinstance(ragged, str) else tuple(ragged)
+        partial = axis_names(partial, "partial")
+        zigzag = axis_names(zigzag, "zigzag")
+        ragged = axis_names(ragged, "ragged")
         groups = _parse(pattern, grid)
         object.__setattr__(self, "grid", grid)
         object.__setattr__(self, "pattern", " ".join(_format_group(g) for g in groups))
@@ -111,6 +111,10 @@ class Layout:
         object.__setattr__(self, "_local_dims", groups)
         self._check_axes_usage()
         self._check_ragged()
+        # zigzag over one rank gives it both chunks in order: the identity, dropped so
+        # that the layout equals (and plans as) the same layout without it
+        object.__setattr__(self, "zigzag",
+                           tuple(a for a in self.zigzag if grid.axis_size(a) > 1))
         # computed now, not on first use: a first use under torch.compile would trace
         # cached_property's lock (Python < 3.12), which Dynamo cannot
         self.dims, self.sharding, self.sharded_axes, self.replicated, self.holders  # noqa: B018
@@ -361,15 +365,36 @@ def _parse_group(raw, grid, seen_axes, seen_dims, fail) -> tuple[Factor, ...]:
         seen_dims.add(token)
         factors.append(Factor(token, tuple(pending)))
         pending = []
+    if pending and not factors:
+        raise fail(f"group '({' '.join(raw)})' names axes but no dim; name the dim they "
+                   f"shard after them, e.g. '({' '.join(raw)} b)'")
     if pending:
+        moved = " ".join(pending + [t for t in raw if t not in pending])
         raise fail(f"axis {pending[-1]!r} ends group '({' '.join(raw)})' and shards nothing; "
-                   f"put axes before the dim they shard, e.g. '({pending[-1]} {raw[0]})'")
+                   f"put axes before the dim they shard, e.g. '({moved})'")
     return tuple(factors)
 
 
 def _format_group(group: tuple[Factor, ...]) -> str:
     tokens = [t for f in group for t in (*f.axes, f.dim)]
     return tokens[0] if len(tokens) == 1 else f"({' '.join(tokens)})"
+
+
+def axis_names(value, what: str) -> tuple[str, ...]:
+    """Grid axis names given as one name, a tuple or list of names, or None (none); any
+    other value is an error naming ``what``.
+
+    >>> axis_names("cp", "zigzag"), axis_names(["tp", "cp"], "partial"), axis_names(None, "ragged")
+    (('cp',), ('tp', 'cp'), ())
+    """
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(a, str) for a in value):
+        return tuple(value)
+    raise MimoFxError(f"{what}={value!r} must name grid axes: one name or a tuple of names, "
+                      f"e.g. {what}=('cp',)")
 
 
 def _grid_order(axes: tuple[str, ...], grid: Grid) -> tuple[str, ...]:

@@ -11,12 +11,13 @@ tensor; one with a packed layout on a side: runs of its rows, :class:`~mimo_fx.r
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 
 import torch
 
 from mimo_fx.errors import MimoFxError
-from mimo_fx.layout import Layout
+from mimo_fx.layout import Layout, axis_names
 from mimo_fx.local import Store, infer_sizes, take
 from mimo_fx.plan import (
     Plan,
@@ -86,12 +87,8 @@ def redistribute(
     """
     given = size_arguments(src, dst, sizes, dim_sizes, "redistribute (reference backend)",
                            ("sizes", "grad_partial"))
-    missing = [r for r in src.holders if r not in pieces]
-    extra = [r for r in pieces if not src.holds(r)]
-    if missing or extra:
-        raise MimoFxError(f"redistribute: src {src.describe()!r} on {src.grid!r} is held by "
-                          f"ranks {list(src.holders)}; pieces miss {missing} and have extra "
-                          f"{extra}")
+    grad_partial = axis_names(grad_partial, "grad_partial")
+    pieces = _checked_pieces(pieces, src)
     dtypes = {t.dtype for t in pieces.values()}
     if len(dtypes) != 1:
         raise MimoFxError(f"redistribute: pieces have mixed dtypes {sorted(map(str, dtypes))}")
@@ -108,6 +105,36 @@ def redistribute(
     fwd = plan(src, dst, full, dtype)
     bwd = backward_plan(src, dst, full, dtype, grad_partial)
     return _run(fwd, bwd, pieces)
+
+
+def _checked_pieces(pieces, src: Layout) -> dict[int, torch.Tensor]:
+    """``pieces`` as a dict of src holder ranks (numpy or torch integer keys as ints) to
+    tensors, or an error naming what is wrong."""
+    if not isinstance(pieces, Mapping):
+        raise MimoFxError(f"redistribute: pieces must be a dict {{rank: local tensor}} "
+                          f"(mimo_fx.reference.shard(x, src) makes one), got a "
+                          f"{type(pieces).__name__}")
+    pieces = {_rank_key(r): t for r, t in pieces.items()}
+    missing = [r for r in src.holders if r not in pieces]
+    extra = [r for r in pieces if not src.holds(r)]
+    if missing or extra:
+        raise MimoFxError(f"redistribute: src {src.describe()!r} on {src.grid!r} is held by "
+                          f"ranks {list(src.holders)}; pieces miss {missing} and have extra "
+                          f"{extra}")
+    wrong = {r: type(t).__name__ for r, t in pieces.items() if not isinstance(t, torch.Tensor)}
+    if wrong:
+        raise MimoFxError(f"redistribute: every piece must be a torch.Tensor (the rank's local "
+                          f"tensor); ranks {sorted(wrong)} have "
+                          f"{sorted(set(wrong.values()))}")
+    return pieces
+
+
+def _rank_key(r):
+    """A pieces key as an int rank where it is an integer scalar (numpy, 0-dim torch)."""
+    try:
+        return r if isinstance(r, int) and not isinstance(r, bool) else operator.index(r)
+    except TypeError:
+        return r
 
 
 def _row_sizes(pieces: Mapping[int, torch.Tensor], src, dst, given: dict) -> dict:

@@ -76,6 +76,20 @@ def shard_index(layout: Layout, rank: int, sizes: dict) -> list[torch.Tensor]:
     return [_shard_index(layout, rank, d, sizes[d]) for d in layout.dims]
 
 
+def _counts(dim: str, c) -> tuple[int, ...]:
+    """Counts given to :func:`shard`: a non-empty sequence of non-negative integers."""
+    import operator
+
+    try:
+        out = tuple(operator.index(n) for n in c)
+    except TypeError:
+        out = ()
+    if not out or any(n < 0 for n in out) or any(isinstance(n, bool) for n in c):
+        raise MimoFxError(f"shard: counts {dim}={c!r} must be a non-empty tuple of "
+                          f"non-negative integers (one per ragged shard, or per sample)")
+    return out
+
+
 def _flatten_pattern(layout: Layout) -> str:
     groups = [" ".join(f.dim for f in g) for g in layout.local_dims]
     return " ".join(g if " " not in g else f"({g})" for g in groups)
@@ -112,11 +126,15 @@ def shard(x: torch.Tensor, layout: Layout, *, rank: int | None = None,
                           f"{layout.dims}")
     sizes: dict = dict(zip(layout.dims, x.shape))
     for dim, c in counts.items():
-        if dim not in sizes or sum(c) != sizes[dim]:
-            raise MimoFxError(f"shard: counts {dim}={c!r} must name a dim of "
-                              f"{layout.pattern!r} and sum to its size "
-                              f"{sizes.get(dim, 'absent')}")
-        sizes[dim] = tuple(c)
+        if dim not in sizes:
+            raise MimoFxError(f"shard: counts {dim}={c!r} name no dim of {layout.pattern!r} "
+                              f"(dims: {', '.join(layout.dims)})")
+        cs = _counts(dim, c)
+        if sum(cs) != sizes[dim]:
+            raise MimoFxError(f"shard: counts {dim}={cs!r} must sum to its size {sizes[dim]} "
+                              f"in x")
+        if dim in layout.ragged_dims:  # (a dim cut evenly here: checked, not needed)
+            sizes[dim] = cs
     missing = [d for d in layout.ragged_dims if d not in counts]
     if missing:
         raise MimoFxError(f"shard: {layout.describe()!r} cuts {missing} ragged; give their "

@@ -178,6 +178,11 @@ def esc(s: str) -> str:
     (G, "(tp) b", {}, r"axis 'tp' stands alone"),
     (G, "(b dp) s", {}, r"axis 'dp' ends group '\(b dp\)'.*'\(dp b\)'"),
     (G, "(b s cp)", {}, r"axis 'cp' ends group"),
+    (G, "(dp b tp) s", {}, r"axis 'tp' ends group.*e\.g\. '\(tp dp b\)'"),
+    (G, "(dp tp) s", {}, r"group '\(dp tp\)' names axes but no dim.*'\(dp tp b\)'"),
+    (G, "(dp b) s", {"partial": 3}, r"partial=3 must name grid axes: one name or a tuple"),
+    (G, "(dp b) s", {"zigzag": b"cp"}, r"zigzag=b'cp' must name grid axes"),
+    (G, "(dp b) s", {"ragged": ("dp", 1)}, r"ragged=\('dp', 1\) must name grid axes"),
     (G, "b, s", {}, r"unexpected character ','"),
     (G, "b*s", {}, r"unexpected character '\*'"),
     (G, "b 2s", {}, r"unexpected character '2'"),
@@ -203,6 +208,32 @@ def esc(s: str) -> str:
 def test_layout_errors(grid, pattern, kwargs, match):
     with pytest.raises(MimoFxError, match=match):
         Layout(grid, pattern, **kwargs)
+
+
+def test_unicode_dim_names_and_none_for_no_axes():
+    """A dim's name is any identifier (one dim, not one per character class), and None
+    for partial/zigzag/ragged means none, as () does."""
+    layout = Layout(Grid(dp=2), "(dp bé) h", partial=None, zigzag=None, ragged=None)
+    assert layout.dims == ("bé", "h") and layout.partial == layout.zigzag == ()
+    x = torch.arange(8.0).reshape(4, 2)
+    assert torch.equal(shard(x, layout)[1], x[2:])
+
+
+def test_zigzag_over_one_rank_is_the_identity():
+    """A zigzag axis of size 1 hands its rank both chunks in order: the layout is the one
+    without it (equal, so it plans the same: a partial-to-sharded pair fuses into one
+    all-reduce either way), and any length works."""
+    from mimo_fx import plan
+
+    one = Grid(tp=2, pp=1, cp=2)
+    src = Layout(one, "(pp b) s h", partial="cp", zigzag="pp")
+    assert src == Layout(one, "(pp b) s h", partial="cp") and src.zigzag == ()
+    dst = Layout(Grid(tp=2, cp=1, pp=2), "(cp b) s h")
+    assert [type(s).__name__ for s in plan(src, dst, {"b": 2, "s": 1, "h": 3}).steps] \
+        == ["AllReduce"]
+    x = torch.arange(10.0).reshape(2, 5)
+    odd = Layout(Grid(cp=1, dp=2), "(dp b) (cp s)", zigzag="cp")
+    assert torch.equal(shard(x, odd)[1], x[1:])
 
 
 def test_non_grid_and_non_string():

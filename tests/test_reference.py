@@ -162,3 +162,69 @@ def test_bf16_and_int_dtypes_move_bitwise():
         y = redistribute(shard(x, case.src), case.src, case.dst)
         for rank, piece in shard(x, case.dst).items():
             assert y[rank].dtype == dtype and torch.equal(y[rank], piece)
+
+
+def test_pieces_that_are_not_a_dict_of_tensors_are_named():
+    case = next(c for c in CASES if c.name == "fan_in")
+    pieces = shard(global_tensor(case, 1), case.src)
+    first = min(pieces)
+    with pytest.raises(mimo_fx.MimoFxError,
+                       match=rf"every piece must be a torch.Tensor.*ranks \[{first}\] have "
+                             r"\['NoneType'\]"):
+        redistribute({**pieces, first: None}, case.src, case.dst)
+    with pytest.raises(mimo_fx.MimoFxError, match=r"pieces must be a dict \{rank: local"):
+        redistribute(list(pieces.values()), case.src, case.dst)
+    # integer scalars of other types as rank keys are those ranks
+    import numpy as np
+
+    y = redistribute({np.int64(r): t for r, t in pieces.items()}, case.src, case.dst)
+    want = shard(global_tensor(case, 1), case.dst)
+    assert all(torch.equal(y[r], want[r]) for r in want)
+
+
+def _input_grads(case: Case, **kwargs) -> dict:
+    pieces = {r: t.requires_grad_() for r, t in shard(global_tensor(case, 7), case.src).items()}
+    y = redistribute(pieces, case.src, case.dst, **kwargs)
+    cot = shard(global_tensor(case, 8), case.dst)
+    torch.autograd.backward([y[r] for r in sorted(y)], [cot[r] for r in sorted(y)])
+    return {r: t.grad for r, t in pieces.items()}
+
+
+@pytest.mark.parametrize(("given", "same_as"), [("cp", ("cp",)), (["cp"], ("cp",)),
+                                                (None, ())])
+def test_grad_partial_is_axis_names(given, same_as):
+    """One name or a list of names is that tuple (a string is one name, never its
+    characters); None is () (test_grad_partial_sums_per_replica_contributions checks
+    the tuple form against full-tensor math)."""
+    case = next(c for c in CASES if c.name == "fan_in")
+    got, want = _input_grads(case, grad_partial=given), _input_grads(case, grad_partial=same_as)
+    assert all(torch.equal(got[r], want[r]) for r in want)
+    with pytest.raises(mimo_fx.MimoFxError, match=r"grad_partial=3 must name grid axes"):
+        _input_grads(case, grad_partial=3)
+
+
+@pytest.mark.parametrize(("counts", "match"), [
+    ({"b": 8}, r"shard: counts b=8 must be a non-empty tuple of non-negative integers"),
+    ({"b": (1, 6)}, r"shard: counts b=\(1, 6\) must sum to its size 8"),
+    ({"q": (4, 4)}, r"shard: counts q=\(4, 4\) name no dim of '\(dp b\) h'"),
+])
+def test_shard_checks_counts_of_any_dim(counts, match):
+    """Counts of a dim the layout cuts evenly are checked (a script passes one batch's
+    counts to the shard of either side) and do not change the pieces."""
+    from mimo_fx import Grid, Layout
+
+    even = Layout(Grid(dp=2), "(dp b) h")
+    x = torch.arange(32.0).reshape(8, 4)
+    with pytest.raises(mimo_fx.MimoFxError, match=match):
+        shard(x, even, **counts)
+    assert all(torch.equal(a, b) for a, b in zip(shard(x, even, b=(1, 7)).values(),
+                                                 shard(x, even).values()))
+
+
+@pytest.mark.parametrize("t", [(12, -1), (6.0, 5), (), (True, 10)])
+def test_shard_refuses_bad_ragged_counts(t):
+    from mimo_fx import Grid, Layout
+
+    ragged = Layout(Grid(dp=2), "(dp t) h", ragged="dp")
+    with pytest.raises(mimo_fx.MimoFxError, match=r"shard: counts t=.* must be a non-empty"):
+        shard(torch.zeros(11, 4), ragged, t=t)
