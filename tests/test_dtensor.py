@@ -24,6 +24,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 
 from mimo_fx import Grid, Layout, MimoFxError, redistribute
 from mimo_fx.interop.dtensor import dtensor_layout, grid_from_mesh, layout_from_dtensor
+from mimo_fx.packed import PackedLayout
 from mimo_fx.reference import shard
 from mimo_fx.reference.oracle import shard_index
 from mimo_fx.regions import Tiling
@@ -229,6 +230,12 @@ def test_mesh_name_errors(names, match):
     ([Replicate(), Replicate()], (), {}, "0-dim DTensor"),
     ([Replicate(), Replicate()], (4, 4), {"dims": ("b",)}, r"name 1 dims but the shape"),
     ([Replicate(), Replicate()], (4, 4), {"dims": ("m0", "h")}, r"\['m0'\] are also mesh"),
+    ([Replicate(), Replicate()], (4.7, 4), {}, r"shape=\(4\.7, 4\) must be the DTensor's "
+                                              r"global shape"),
+    ([Replicate(), Replicate()], (-4, 4), {}, r"shape=\(-4, 4\) must be"),
+    ([Replicate(), Replicate()], ("a", 4), {}, r"shape=\('a', 4\) must be"),
+    ([Replicate(), Replicate()], (4, 4), {"dims": ("a b", "x")},
+     r"tensor dim names must be identifiers.*\['a b'\] are not"),
 ])
 def test_placement_errors(placements, shape, kwargs, match):
     with pytest.raises(MimoFxError, match=match):
@@ -259,6 +266,10 @@ def test_negative_shard_dim_and_text_placements():
      r"'b' of size 10 over \('dp',\): tensor_split gives shards \[3, 3, 2, 2\], DTensor's "
      r"chunk rule \[3, 3, 3, 1\]; use Layout\(..., split='chunk'\)"),
     (Layout(Grid(dp=2), "(dp b) h"), {"b": 2}, r"missing \['h'\]"),
+    (Layout(Grid(dp=2), "(dp t) h", ragged="dp"), {"t": (3, 2), "h": 2},
+     r"cuts \['t'\] ragged"),
+    (PackedLayout(Grid(dp=2), "t h", [[3], [2]]), {"h": 2},
+     r"takes a box Layout; .* is a PackedLayout"),
 ])
 def test_not_expressible(layout, sizes, match):
     with pytest.raises(MimoFxError, match=match):

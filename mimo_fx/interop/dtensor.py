@@ -97,6 +97,22 @@ def _norm_dim(dim: int, ndim: int, where: str) -> int:
 
 # -- meshes ----------------------------------------------------------------------------------
 # -- DTensor -> Layout -----------------------------------------------------------------------
+def _shape(shape) -> tuple[int, ...]:
+    """A global shape as non-negative ints (torch.Size, SymInts, numpy integers), or an
+    error naming it."""
+    import operator
+
+    try:  # (ints as before: int(n); other integer scalars through operator.index)
+        out = tuple(int(n) if isinstance(n, int) and not isinstance(n, bool)
+                    else operator.index(n) for n in shape)
+    except TypeError:
+        out = None
+    if out is None or any(n < 0 for n in out):
+        raise MimoFxError(f"shape={tuple(shape)!r} must be the DTensor's global shape: a "
+                          f"sequence of non-negative integers")
+    return out
+
+
 def layout_from_dtensor(mesh, placements: Sequence, shape: Sequence[int], *,
                         dims: Sequence[str] | None = None,
                         mesh_dim_names: Sequence[str] | None = None
@@ -110,11 +126,15 @@ def layout_from_dtensor(mesh, placements: Sequence, shape: Sequence[int], *,
     dim differs from ``tensor_split``, the layout has ``split="chunk"``.
     """
     ranks, names = _mesh_parts(mesh, mesh_dim_names)
-    shape = tuple(int(n) for n in shape)
+    shape = _shape(shape)
     if not shape:
         raise MimoFxError("a 0-dim DTensor has no layout: mimo_fx layouts name at least one "
                           "dim (reshape it to (1,))")
     dims = tuple(dims) if dims is not None else tuple(f"d{i}" for i in range(len(shape)))
+    bad = [d for d in dims if not isinstance(d, str) or not d.isidentifier()]
+    if bad:
+        raise MimoFxError(f"dims={dims}: tensor dim names must be identifiers (they go into "
+                          f"a layout pattern); {bad} are not")
     if len(dims) != len(shape):
         raise MimoFxError(f"dims {dims} name {len(dims)} dims but the shape {shape} has "
                           f"{len(shape)}")
@@ -215,10 +235,19 @@ def _nested(value):
 
 
 def _check_expressible(layout: Layout, sizes: dict[str, int]) -> None:
+    if not isinstance(layout, Layout):
+        what = layout.describe() if hasattr(layout, "describe") else layout
+        raise MimoFxError(f"dtensor_layout takes a box Layout; {what!r} is a "
+                          f"{type(layout).__name__}, which has no DTensor placements (keep "
+                          f"this bridge in mimo_fx)")
+
     def fail(why: str) -> MimoFxError:
         return MimoFxError(f"layout {layout.describe()!r} on {layout.grid!r} has no DTensor "
                            f"placements: {why}")
 
+    if layout.ragged_dims:
+        raise fail(f"it cuts {list(layout.ragged_dims)} ragged (per-shard counts); DTensor "
+                   f"shards follow torch.chunk (keep this bridge in mimo_fx)")
     if layout.zigzag:
         raise fail(f"zigzag over {layout.zigzag} gives a rank two chunks of a dim; DTensor "
                    f"shards are contiguous (keep this bridge in mimo_fx)")
@@ -382,7 +411,7 @@ def _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked):
 
     src, dst = _MOVES.layouts[_move_index(x.device_mesh, tuple(x.placements), x.dim(), dst_mesh,
                                   tuple(dst_placements))]
-    opts = Options(x.dtype, tuple(grad_partial), comm_dtype, checked)
+    opts = Options(x.dtype, grad_partial, comm_dtype, checked)
     try:  # sizes free: each call gives its shape (one bridge, one graph for even sizes)
         return bridge_for(src, dst, opts, None, "redistribute_dtensor")
     except MimoFxError as err:
