@@ -66,6 +66,12 @@ def test_custom_axis_order():
     (lambda: M(tp=0), r"tp=0 must be a positive integer"),
     (lambda: M(offset=-1), r"offset=-1 must be a non-negative"),
     (lambda: MimoParallelism(8, {}), r"at least one module"),
+    (lambda: MimoParallelism("8", {"llm": M(dp=8)}), r"world_size='8' must be a positive"),
+    (lambda: MimoParallelism(8, [M(dp=8)]), r"modules must be a dict \{name: Module.*got list"),
+    (lambda: MimoParallelism(8, {"llm": {"dp": 8}}),
+     r"modules must be a dict .* values of types \['dict'\]"),
+    (lambda: MimoParallelism(8, {"llm": M(dp=8)}, colocated="yes"),
+     r"colocated='yes' must be True or False"),
 ])
 def test_invalid_configs(build, message):
     with pytest.raises(MimoFxError, match=message):

@@ -71,6 +71,18 @@ class MimoParallelism:
     colocated: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) \
+                or self.world_size <= 0:
+            raise MimoFxError(f"world_size={self.world_size!r} must be a positive integer")
+        if not isinstance(self.modules, dict) or not all(
+                isinstance(m, ModuleParallelism) for m in self.modules.values()):
+            raise MimoFxError(
+                f"modules must be a dict {{name: ModuleParallelism(...)}}, got "
+                f"{type(self.modules).__name__}"
+                + ("" if not isinstance(self.modules, dict) else " with values of types "
+                   f"{sorted({type(m).__name__ for m in self.modules.values()})}"))
+        if not isinstance(self.colocated, bool):
+            raise MimoFxError(f"colocated={self.colocated!r} must be True or False")
         if not self.modules:
             raise MimoFxError("a MIMO config needs at least one module")
         self._check_fit()
