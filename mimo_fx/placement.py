@@ -302,10 +302,10 @@ def place(samples: Sequence[Sequence[Sample]], loaders: Grid, encoder: Grid, llm
     n_enc, n_llm = _groups(encoder), _groups(llm)
     if balanced:
         homes = _Homes(per_loader, loaders, encoder, llm)
-        sample_group = assign(seq_cost, n_llm, capacity=llm_capacity, sizes=lengths)
+        sample_group = _assign(seq_cost, n_llm, llm_capacity, lengths, "llm_capacity")
         if _uniform(llm_capacity):
             sample_group = homes.relabel(sample_group, homes.llm_weights(sample_group))
-        image_group = assign(img_cost, n_enc, capacity=encoder_capacity, sizes=tokens)
+        image_group = _assign(img_cost, n_enc, encoder_capacity, tokens, "encoder_capacity")
         if _uniform(encoder_capacity):
             image_group = homes.relabel(image_group, homes.encoder_weights(image_group,
                                                                           sample_group))
@@ -443,3 +443,12 @@ def _costs(given: object, default: list[float], what: str, item: str) -> list[fl
         raise MimoFxError(f"{what} has {len(values)} entries for {len(default)} {item}s; "
                           f"give one cost per {item}, in the loaders' order")
     return values
+
+
+def _assign(costs, bins: int, capacity, sizes, name: str) -> list[int]:
+    """:func:`assign` with ``capacity`` given to :func:`place` as ``name``: its errors
+    say which argument to raise."""
+    try:
+        return assign(costs, bins, capacity=capacity, sizes=sizes)
+    except MimoFxError as err:
+        raise MimoFxError(f"place: {name}={capacity!r}: {err}") from None

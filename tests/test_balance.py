@@ -408,6 +408,10 @@ def test_balanced_beats_naive_on_skewed_loaders():
     capped = place(samples, *grids, llm_capacity=max(sum(tokens) / 4 * 1.1, max(tokens)))
     groups = [sum(n for n, g in zip(tokens, capped.sample_group) if g == d) for d in range(4)]
     assert max(groups) <= max(sum(tokens) / 4 * 1.1, max(tokens))
+    # a capacity no packing meets: the error names place's argument, not assign's
+    for name in ("llm_capacity", "encoder_capacity"):
+        with pytest.raises(MimoFxError, match=rf"^place: {name}=1: item 0 has size"):
+            place(samples, *grids, **{name: 1})
 
 
 # -- 4 gloo processes ----------------------------------------------------------------------
