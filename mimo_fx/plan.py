@@ -807,7 +807,8 @@ def _check_size(dim: str, n, ragged: bool = False, prefix: str = ""):
     if ragged:
         if isinstance(n, tuple):
             n = tuple(_as_int(c) for c in n)
-        # (a traced count that may be anything passes: a run-time check covers it)
+        # (while Dynamo traces, counts pass here: the compiled bridge checks them, with
+        # words made from their example values, which traced code cannot format)
         if isinstance(n, tuple) and n and all(
                 _symbolic(c) or (not isinstance(c, bool) and isinstance(c, int)
                                  and (torch.compiler.is_compiling() or c >= 0))
