@@ -292,6 +292,9 @@ def place(samples: Sequence[Sequence[Sample]], loaders: Grid, encoder: Grid, llm
 
     Every rank calling it with the same arguments gets the same placement.
     """
+    for name, flag in (("balanced", balanced), ("zigzag", zigzag)):
+        if not isinstance(flag, bool):
+            raise MimoFxError(f"place: {name}={flag!r} must be True or False")
     per_loader = _check_samples(samples, loaders)
     flat = [s for mine in per_loader for s in mine]
     tokens = [n for s in flat for n in s.images]

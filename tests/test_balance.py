@@ -412,6 +412,9 @@ def test_balanced_beats_naive_on_skewed_loaders():
     for name in ("llm_capacity", "encoder_capacity"):
         with pytest.raises(MimoFxError, match=rf"^place: {name}=1: item 0 has size"):
             place(samples, *grids, **{name: 1})
+    for name in ("zigzag", "balanced"):  # at the call, not at a later .packed()
+        with pytest.raises(MimoFxError, match=rf"^place: {name}='cp' must be True or False"):
+            place(samples, *grids, **{name: "cp"})
 
 
 # -- 4 gloo processes ----------------------------------------------------------------------
