@@ -428,8 +428,10 @@ def _normalise_at(at, grid: Grid, pattern: str) -> tuple[tuple[str, int], ...]:
             raise MimoFxError(f"in layout {pattern!r} on {grid!r}: at= names unknown axis "
                               f"{axis!r}; the grid has axes {grid.names}")
         size = grid.axis_size(axis)
-        if isinstance(index, bool) or not isinstance(index, int) or not -size <= index < size:
+        wrong = "is not an int" if isinstance(index, bool) or not isinstance(index, int) \
+            else "is out of range" if not -size <= index < size else ""
+        if wrong:
             raise MimoFxError(f"in layout {pattern!r} on {grid!r}: at={{{axis!r}: {index!r}}} "
-                              f"is out of range; valid indices are {-size}..{size - 1}")
+                              f"{wrong}; valid indices are the ints {-size}..{size - 1}")
         out.append((axis, index % size))
     return tuple(sorted(out))
