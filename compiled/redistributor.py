@@ -91,8 +91,7 @@ class Redistributor:
                  dtype=torch.float32, *, grad_partial=(), comm_dtype=None,
                  checked: bool = False, device=None, name: str | None = None) -> None:
         self.rank = require_world("Redistributor")
-        opts = Options(dtype, grad_partial if isinstance(grad_partial, str)  # (refused)
-                       else tuple(grad_partial), comm_dtype, checked, device)  # type: ignore[arg-type]
+        opts = Options(dtype, grad_partial, comm_dtype, checked, device)
         src, dst = _own("src", src), _own("dst", dst)
         self.src, self.dst, self.options = src, dst, opts
         self._context_text = _message_prefix(src, dst, opts.checked)

@@ -48,10 +48,10 @@ class ProcessWorld:
         from . import bridge_for
 
         fixed = {d: n for d, n in sizes.items() if d not in self.vary}
-        key = (src, dst, tuple(grad_partial))
+        opts = Options(self.dtype, grad_partial)
+        key = (src, dst, opts.grad_partial)
         if key not in self._bridges:
-            self._bridges[key] = bridge_for(src, dst, Options(self.dtype, tuple(grad_partial)),
-                                            fixed, "ProcessWorld")
+            self._bridges[key] = bridge_for(src, dst, opts, fixed, "ProcessWorld")
         return self._bridges[key]
 
     def begin(self, anchor: torch.Tensor | None = None) -> None:

@@ -114,6 +114,21 @@ def _scenarios(rank: int, world: int) -> dict:
     bridge.destroy()
     out["bridge_after_destroy"] = _raises(lambda: bridge.send_forward(enc_x.get(rank)))
     out.update(_size_mistakes(rank, x, piece))
+    out.update(_option_mistakes(rank, x, piece))
+    return out
+
+
+def _option_mistakes(rank: int, x: torch.Tensor, piece: torch.Tensor) -> dict:
+    """grad_partial as Options reads it on every path: None is none (a raw TypeError
+    from the bridge's own tuple() before), an int an error on its rank before any
+    collective."""
+    from mimo_fx.compiled import Redistributor
+
+    bridge = Redistributor(SRC, DST, SIZES, grad_partial=None)
+    out: dict = {"grad_partial_none": torch.equal(bridge(piece), shard(x, DST)[rank])}
+    bridge.destroy()
+    out["grad_partial_int"] = _alone(
+        rank, 2, lambda: Redistributor(SRC, DST, SIZES, grad_partial=3))
     return out
 
 
@@ -159,6 +174,7 @@ def scenarios(worlds):
     ("transposed", 2, ["rank 2", "shape (2, 2, 16)", "gives it shape (2, 16, 2)"]),
     ("wrong_dtype_unchecked", 3, ["rank 3", "torch.float64", "moves torch.float32"]),
     ("none_on_holder", 0, ["rank 0 holds a piece of src", "passed None"]),
+    ("grad_partial_int", 2, ["grad_partial=3 must name grid axes"]),
 ])
 def test_unchecked_mistake_raises_on_its_rank_before_any_collective(scenarios, name, rank,
                                                                      words):
@@ -190,6 +206,10 @@ def test_sizes_that_disagree_with_the_bridge_or_the_tensor_raise_before_any_coll
     got = scenarios[2]["given_disagree_with_tensor"]
     assert "rank 2" in got["said"] and "gives it shape (2, 8, 2)" in got["said"], got
     assert got["collectives"] == 0
+
+
+def test_grad_partial_none_is_no_axes(scenarios):
+    assert all(r["grad_partial_none"] for r in scenarios)
 
 
 def test_a_destroyed_bridge_says_so(scenarios):
