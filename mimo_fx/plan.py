@@ -780,7 +780,7 @@ def _symbolic(n) -> bool:
     return type(n).__name__ == "SymInt"
 
 
-def _as_int(n):
+def as_int(n):
     """``n`` as an ``int`` where it is an integer scalar of another type (a numpy or a
     0-dim torch integer: ``operator.index`` takes it); anything else as it is."""
     if isinstance(n, int) or isinstance(n, bool) or _symbolic(n):
@@ -806,7 +806,7 @@ def _check_size(dim: str, n, ragged: bool = False, prefix: str = ""):
         return n
     if ragged:
         if isinstance(n, tuple):
-            n = tuple(_as_int(c) for c in n)
+            n = tuple(as_int(c) for c in n)
         # (while Dynamo traces, counts pass here: the compiled bridge checks them, with
         # words made from their example values, which traced code cannot format)
         if isinstance(n, tuple) and n and all(
@@ -818,7 +818,7 @@ def _check_size(dim: str, n, ragged: bool = False, prefix: str = ""):
         raise MimoFxError(f"{prefix}dim {dim!r} is cut ragged, so its size is a tuple of "
                           f"counts: {dim}={n!r} must be {what} of non-negative integers "
                           f"(one per ragged shard, or per segment)")
-    n = _as_int(n)
+    n = as_int(n)
     # (while Dynamo traces, a call's size may be symbolic: the compiled bridge checks it
     # and makes the words from its example value; traced code cannot format it)
     if isinstance(n, bool) or not isinstance(n, int) or (

@@ -11,7 +11,6 @@ tensor; one with a packed layout on a side: runs of its rows, :class:`~mimo_fx.r
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 
 import torch
@@ -22,6 +21,7 @@ from mimo_fx.local import Store, infer_sizes, take
 from mimo_fx.plan import (
     Plan,
     Step,
+    as_int,
     backward_plan,
     kind_of,
     plan,
@@ -114,7 +114,7 @@ def _checked_pieces(pieces, src: Layout) -> dict[int, torch.Tensor]:
         raise MimoFxError(f"redistribute: pieces must be a dict {{rank: local tensor}} "
                           f"(mimo_fx.reference.shard(x, src) makes one), got a "
                           f"{type(pieces).__name__}")
-    pieces = {_rank_key(r): t for r, t in pieces.items()}
+    pieces = {as_int(r): t for r, t in pieces.items()}  # (numpy or torch integer keys)
     missing = [r for r in src.holders if r not in pieces]
     extra = [r for r in pieces if not src.holds(r)]
     if missing or extra:
@@ -127,14 +127,6 @@ def _checked_pieces(pieces, src: Layout) -> dict[int, torch.Tensor]:
                           f"tensor); ranks {sorted(wrong)} have "
                           f"{sorted(set(wrong.values()))}")
     return pieces
-
-
-def _rank_key(r):
-    """A pieces key as an int rank where it is an integer scalar (numpy, 0-dim torch)."""
-    try:
-        return r if isinstance(r, int) and not isinstance(r, bool) else operator.index(r)
-    except TypeError:
-        return r
 
 
 def _row_sizes(pieces: Mapping[int, torch.Tensor], src, dst, given: dict) -> dict:
