@@ -53,7 +53,7 @@ from .packed import (
     init_params,
     reference_loss,
 )
-from .report import reference_step, result, sgd, step_row, summed_grads, warm_up
+from .report import reference_step, result, sgd, step_line, step_row, summed_grads, warm_up
 
 __all__ = ["LAYOUT", "LOADERS", "PROFILES", "SKEW", "BalancedConfig", "loader_batch",
            "global_batch", "step_numbers", "train_balanced"]
@@ -304,6 +304,5 @@ def train_balanced(rank: int, steps: int, backend: str, lr: float, say=None) -> 
                              r.sent + sync + gather, elapsed))
         rows[-1].update(gathers=counts["gathers"] - before, gather_bytes=gather,
                         **step_numbers(cfg, placed))
-        say(f"[balanced] step {step}/{steps}: loss {rows[-1]['loss']:.6f} (undistributed "
-            f"{rows[-1]['ref_loss']:.6f}), {rows[-1]['seconds'] * 1e3:.1f} ms", flush=True)
+        say(step_line("balanced", rows[-1], steps), flush=True)
     return result("balanced", backend, rows, mine, full, compile_s)

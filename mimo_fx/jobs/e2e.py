@@ -52,7 +52,7 @@ from mimo_fx.mimo.config import ModuleParallelism as M
 from mimo_fx.mimo.grads import ModuleGrads
 from mimo_fx.plan import format_bytes
 
-from .report import result, step_row
+from .report import result, step_line, step_row
 from .toy import ToyConfig, ToyMimo
 
 __all__ = ["VARIANTS", "train_worker", "main"]
@@ -226,9 +226,7 @@ def _train(rank: int, run: Run) -> dict:
                                       recorded)
         rows.append(step_row(step, float(value) if counts_loss else 0.0, float(ref_loss),
                          grad_diff, step_bytes, elapsed))
-        say(f"[{run.variant}] step {step}/{run.steps}: loss {rows[-1]['loss']:.6f} "
-            f"(undistributed {rows[-1]['ref_loss']:.6f}), "
-            f"{rows[-1]['seconds'] * 1e3:.1f} ms", flush=True)
+        say(step_line(run.variant, rows[-1], run.steps), flush=True)
     # (graphs counted since the warm-up cleared the counters)
     return result(run.variant, run.backend, rows, mine, full, compile_s,
                   piece=lambda n, t: shard(t, layouts[n])[rank])

@@ -13,8 +13,9 @@ Llama; float32, the same seed on every rank) trained by ``docs/examples/llava_st
   tp), where HF's own placeholder scatter puts them at their tokens; every rank's
   backward is one ``mimo_fx.backward(loss)``.
 
-Ranks 4 and up of the job's 8-rank world are idle: they take part in making the process
-groups (every rank must) and in the job's report. No context parallelism: transformers'
+Ranks 4 and up of the job's 8-rank world are idle: they take part in making the device
+meshes (torch's ``DeviceMesh`` asks every rank of the world) and in the job's report; the
+bridge is built by its grids' ranks alone. No context parallelism: transformers'
 CP is torch's ``context_parallel``, which has no sharding strategy for CPU's SDPA kernel
 (``aten._scaled_dot_product_flash_attention_for_cpu``).
 
@@ -36,7 +37,7 @@ import torch
 from mimo_fx import Layout, backward_plan, plan
 from mimo_fx.errors import MimoFxError
 
-from .report import allreduce, step_row
+from .report import allreduce, step_line, step_row
 
 __all__ = ["EXAMPLE", "INSTALL", "available", "example", "reference", "train_llava"]
 
@@ -141,6 +142,9 @@ def train_llava(rank: int, steps: int, backend: str, lr: float, say=None) -> dic
     counters.clear()
     say(f"[llava] {steps} steps, the first one compiling with {backend}", flush=True)
     run = ex.train(rank, world, steps=steps, backend=backend, lr=lr)
+    if not active:  # the larger world's other ranks: the generator's setup, to its end
+        for _ in run:
+            pass
     rows, mine = [], {}
     for k in range(steps):
         dist.barrier()
@@ -156,9 +160,8 @@ def train_llava(rank: int, steps: int, backend: str, lr: float, say=None) -> dic
                              ref[k]["loss"] if active else 0.0, grad_diff,
                              _bridge_bytes(ex, counts, rank), elapsed))
         rows[-1]["images"] = list(counts)
-        say(f"[llava] step {k + 1}/{steps} (images per sample {list(counts)}): loss "
-            f"{rows[-1]['loss']:.6f} (one process {rows[-1]['ref_loss']:.6f}), max grad diff "
-            f"{rows[-1]['grad_diff']:.1e}, {rows[-1]['seconds'] * 1e3:.1f} ms", flush=True)
+        say(step_line("llava", rows[-1], steps, "one process",
+                      f" (images per sample {list(counts)})"), flush=True)
     if active:
         for _ in run:  # the last optimizer step, and the bridge destroyed
             pass

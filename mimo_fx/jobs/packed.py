@@ -44,7 +44,7 @@ from mimo_fx.packed import PackedLayout, Packing
 from mimo_fx.plan import backward_plan, plan
 from mimo_fx.rows import seed_bytes
 
-from .report import reference_step, result, sgd, step_row, summed_grads, warm_up
+from .report import reference_step, result, sgd, step_line, step_row, summed_grads, warm_up
 
 __all__ = ["LAYOUT", "PackedConfig", "attention_mask", "packed_batch", "train_packed"]
 
@@ -307,6 +307,5 @@ def train_packed(rank: int, steps: int, backend: str, lr: float, say=None) -> di
                              r.sent + sync, elapsed))
         rows[-1]["image_bytes"], rows[-1]["seed_image_bytes"] = r.image_bytes, \
             r.seed_image_bytes
-        say(f"[packed] step {step}/{steps}: loss {rows[-1]['loss']:.6f} (undistributed "
-            f"{rows[-1]['ref_loss']:.6f}), {rows[-1]['seconds'] * 1e3:.1f} ms", flush=True)
+        say(step_line("packed", rows[-1], steps), flush=True)
     return result("packed", backend, rows, mine, full, compile_s)

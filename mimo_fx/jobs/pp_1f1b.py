@@ -112,7 +112,7 @@ def train_pipelined(rank: int, steps: int = 3, backend: str = "aot_eager", lr: f
     from mimo_fx.mimo.sync import GradSync
     from mimo_fx.reference import shard
 
-    from .report import reference_step, step_row
+    from .report import reference_step, step_line, step_row
 
     say = say or (lambda *a, **k: None)
     enc, llm1, llm2 = GRIDS["enc"], GRIDS["llm1"], GRIDS["llm2"]
@@ -177,8 +177,7 @@ def train_pipelined(rank: int, steps: int = 3, backend: str = "aot_eager", lr: f
             grads, lr, lambda n, g: shard(g, layouts[n])[rank])
         rows.append(step_row(step, loss.item() if last else 0.0, ref.item(), diff,
                          step_bytes, elapsed))
-        say(f"[pp_1f1b] step {step}/{steps}: loss {rows[-1]['loss']:.6f} "
-            f"(undistributed {rows[-1]['ref_loss']:.6f})", flush=True)
+        say(step_line("pp_1f1b", rows[-1], steps), flush=True)
     param_diff = max(float((p.detach() - shard(full[f"{name}.{n}"], layouts[f"{name}.{n}"])[rank])
                            .abs().max()) for n, p in stage.params.items())
     from .report import allreduce

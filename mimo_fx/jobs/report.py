@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["allreduce", "step_row", "grad_of", "summed_grads", "sgd", "reference_step",
+__all__ = ["allreduce", "step_row", "step_line", "grad_of", "summed_grads", "sgd", "reference_step",
            "warm_up", "result"]
 
 
@@ -31,6 +31,18 @@ def step_row(step: int, loss: float, ref_loss: float, grad_diff: float, step_byt
     total_bytes, = allreduce([step_bytes], dist.ReduceOp.SUM)
     return {"step": step, "loss": loss_sum, "ref_loss": ref_loss, "grad_diff": worst,
             "bytes_max": bytes_max, "bytes_total": total_bytes, "seconds": seconds}
+
+
+def step_line(tag: str, row: dict, steps: int, reference: str = "undistributed",
+              extra: str = "") -> str:
+    """A step's progress line, as docs/mimo.md gives it: the loss (and the reference
+    model's), the largest gradient difference, the bytes each rank sends (max over
+    ranks) and the step's time (max over ranks)."""
+    from mimo_fx.text import format_bytes
+
+    return (f"[{tag}] step {row['step']}/{steps}{extra}: loss {row['loss']:.6f} ({reference} "
+            f"{row['ref_loss']:.6f}), max grad diff {row['grad_diff']:.1e}, sent/rank "
+            f"{format_bytes(row['bytes_max'], 1)}, {row['seconds'] * 1e3:.1f} ms")
 
 
 def grad_of(leaf: torch.Tensor) -> torch.Tensor:
