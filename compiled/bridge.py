@@ -79,7 +79,7 @@ class Bridge(Redistributor):
         self._tags = ((f"{self.name} p2p>", f"{self.name} p2p<")
                       if set(src) != set(dst) else ())
         self._channel_lease = Lease(self.lease.what + " (its channels)", (),
-                                    [(tag, self.union) for tag in self._tags])
+                                    [(tag, self.union) for tag in self._tags], self.device)
         self._channels: tuple[Channel, ...] = ()
         self._pipe: tuple[CompiledExecutor, ...] = ()
         if self.involved:

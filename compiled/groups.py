@@ -1,10 +1,28 @@
-"""Process groups for plans, created eagerly in one order on every rank.
+"""Process groups for plans, created eagerly by their members, in one order.
 
-``torch.distributed.new_group`` is a collective over the whole world: every rank must
-call it for every group, in the same order. Creating groups lazily (inside a pipeline
-schedule, or on first use under ``torch.compile``) deadlocks, so :func:`acquire` creates
-all groups a bridge needs up front, in plan order, and counts references; :func:`release`
-destroys a group when its last user is gone.
+A bridge's groups are created when it is built, by the ranks of its grids only (ranks
+outside them build nothing): :func:`acquire` creates every group a bridge needs up front,
+in plan order, each by its members alone, and counts references; :func:`release`
+destroys a group when its last user is gone. Creating groups lazily (inside a pipeline
+schedule, or on first use under ``torch.compile``) deadlocks.
+
+*Members only, under a name they agree on.* ``torch.distributed.new_group`` names a
+group by a counter every rank of the world advances, so every rank must call it for
+every group; its members-only variant names it by how many groups the process already
+has, which differs between ranks that built other bridges. A group here is named by
+what defines it -- its tag, its ranks and how many times its members made it before --
+so its members meet under one name whatever else each of them built
+(:func:`_create`). With ``init_process_group(device_id=...)`` torch would split a new
+NCCL group from the world's communicator, a collective of the whole world; a bridge's
+group is made by its members instead (NCCL's own initialisation, joined by every member
+at once, below).
+
+*Every member at a group's first operation.* NCCL creates a group's communicator at its
+first operation, with every member taking part, and torch's ``batch_isend_irecv``
+requires the same of a group's first call; a rank with nothing to send could otherwise
+skip it. So every group a bridge uses, created or taken from a mesh, runs one small
+all-reduce of all its members on the data's device when the bridge is built, when every
+member is there (:func:`_join`); gloo does the same, so CPU runs prove it.
 
 A group is named by its ranks and a *tag*: data groups have tag ``""``; every bridge
 also has a check group over the union of its grids (tag ``"check"``; created whether or
@@ -16,7 +34,7 @@ runs there, so it can never pair with a data collective.
 Two lifecycle rules keep gloo's connection setup safe over many build/destroy cycles:
 a destroyed group stays referenced until the next group has been created (dropping the
 last reference right after ``destroy_process_group`` can close sockets a peer's next
-``new_group`` is still using), and the pool forgets every group when the default
+setup is still using), and the pool forgets every group when the default
 process group it was built in is gone. The last reference is then dropped on a thread
 of its own (:class:`_Reaper`): gloo's destructor waits, with the GIL released, for each
 of its transport loops to wake from a 10 ms poll, about 20 ms per group, which a bridge's
@@ -26,10 +44,12 @@ of its transport loops to wake from a 10 ms poll, about 20 ms per group, which a
 from __future__ import annotations
 
 import atexit
+import hashlib
 import threading
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from mimo_fx.errors import MimoFxError
@@ -38,7 +58,7 @@ from mimo_fx.grid import mesh_groups
 from .comm import forget
 
 __all__ = ["acquire", "release", "group_name", "process_group", "live_groups", "world_token",
-           "check_world", "CHECK", "created", "reused", "settle"]
+           "check_world", "CHECK", "created", "reused", "settle", "data_device"]
 
 CHECK = "check"  # the tag of check groups
 
@@ -79,8 +99,9 @@ def _purge() -> None:
 
 
 class _OffThread:
-    """A retired gloo group, to be dropped on the reaper's thread. (NCCL's are dropped
-    where they are retired: its communicators are not torn down beside other work.)"""
+    """A retired gloo group, to be dropped on the reaper's thread. (A group with a CUDA
+    backend of its own, NCCL's, is dropped where it is retired: its communicators are
+    not torn down beside other work.)"""
 
     __slots__ = ("obj",)
 
@@ -145,7 +166,8 @@ class Pool:
         self.in_flight: list[tuple[object, Callable[[], bool]]] = []  # (object, done?)
         self.retired_done = True  # set when a group is created: retired groups may go
         self.dropped: list[Callable[[], None]] = []  # releases for the next lease
-        self.agreed = 0  # bridges agreed in this world
+        self.agreed: dict[Ranks, int] = {}  # agreements completed, per set of ranks
+        self.made: dict[tuple[str, Ranks], int] = {}  # groups created, per tag and ranks
         self.reaper = _Reaper()
 
     def sync_world(self) -> None:
@@ -155,7 +177,8 @@ class Pool:
             self.reaper.settle()
             self.groups.clear()
             self.in_flight.clear()
-            self.agreed = 0
+            self.agreed.clear()
+            self.made.clear()
             self.world = dist.group.WORLD
 
 
@@ -204,45 +227,121 @@ def _timeout(tag: str) -> timedelta:
     return timedelta(seconds=timeout_seconds())
 
 
-def _new_group(ranks: Ranks, tag: str, what: str):
-    """A new group whose collectives (and setup) time out after ``MIMO_FX_TIMEOUT``; a
-    setup a rank of the world never joins is a MimoFxError, not the store's raw error."""
+def data_device() -> torch.device:
+    """Where data moves when a bridge is given no device: the current CUDA device where
+    the world serves CUDA tensors with a backend of their own (NCCL, alone or as in
+    ``"cpu:gloo,cuda:nccl"``), else the CPU (gloo serves CPU and CUDA tensors with one
+    backend, a CPU one). Asked of the default process group, never read from a name."""
+    if not dist.is_initialized() or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if _own_backend(dist.group.WORLD, "cuda"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _own_backend(pg, device_type: str) -> bool:
+    """Whether ``pg`` serves ``device_type`` tensors with a backend that serves no
+    other device type it has (NCCL for CUDA; not gloo, which serves CPU and CUDA)."""
+    try:
+        mine = pg._get_backend(torch.device(device_type))
+    except RuntimeError:
+        return False
+    for other in pg._device_types:
+        if other.type != device_type:
+            try:
+                if pg._get_backend(other) is mine:
+                    return False
+            except RuntimeError:
+                continue
+    return True
+
+
+def _name(tag: str, ranks: Ranks) -> str:
+    """The name a group's members give it: a function of its tag, its ranks and how many
+    times this process made that group before (its members make and destroy it
+    together), so they agree on it whatever other groups each of them has."""
+    made = POOL.made.get((tag, ranks), 0)
+    POOL.made[tag, ranks] = made + 1
+    text = f"{tag}|{','.join(map(str, ranks))}|{made}"
+    return "mimo_fx_" + hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:20]
+
+
+def _create(ranks: Ranks, tag: str, what: str):
+    """A new group of ``ranks``, created by its members alone (see the module docstring),
+    whose collectives (and setup) time out after ``MIMO_FX_TIMEOUT``; a setup a member
+    never joins is a MimoFxError, not the store's raw error."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from .timeouts import cause, wait_time
+
+    world = c10d._get_default_group()
+    rank = dist.get_rank()
+    bound = world.bound_device_id
+    try:
+        # not split from the world's communicator (a collective of every rank): the
+        # members create it, and join its first operation (_join)
+        world.bound_device_id = None
+        pg, _ = c10d._new_process_group_helper(
+            len(ranks), ranks.index(rank), list(ranks), c10d.get_backend(world),
+            c10d._get_default_store(), _name(tag, ranks), timeout=_timeout(tag),
+            group_desc=f"mimo_fx {tag or 'data'} group")
+    except RuntimeError as err:  # (gloo: DistStoreError, DistNetworkError)
+        raise MimoFxError(
+            f"{what}: rank {rank} could not set up the process group of ranks "
+            f"{list(ranks)} within {wait_time()} ({cause(err)}); a member of it did "
+            f"not get there in time: it is gone, raised or skipped a build, or the "
+            f"machine is too loaded for that timeout (raise it)") from err
+    finally:
+        world.bound_device_id = bound
+    c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    return pg
+
+
+def _join(pg, ranks: Ranks, what: str, device: torch.device) -> None:
+    """Every member at the group's first operation: one all-reduce of one element on
+    the data's device (NCCL creates the group's communicator there, with every member;
+    see the module docstring)."""
     from .timeouts import cause, wait_time
 
     try:
-        return dist.new_group(list(ranks), timeout=_timeout(tag))
-    except RuntimeError as err:  # (gloo: DistStoreError, DistNetworkError)
+        dist.all_reduce(torch.zeros(1, device=device), group=pg)
+    except RuntimeError as err:
         raise MimoFxError(
-            f"{what}: rank {dist.get_rank()} could not set up the process group of ranks "
-            f"{list(ranks)} within {wait_time()} ({cause(err)}); a rank of the world did "
-            f"not get there in time: it is gone, raised or skipped a build, or the "
-            f"machine is too loaded for that timeout (raise it)") from err
+            f"{what}: rank {dist.get_rank()} waited in vain for the members of process "
+            f"group {list(ranks)} at its first operation ({wait_time()}; "
+            f"{cause(err)}); a member of it is gone, raised or skipped a build") from err
 
 
-def acquire(groups: Iterable[Ranks], tag: str = "", what: str = "mimo_fx") -> None:
-    """Create (or reference) every group; call on every rank with the same list
-    (``what`` names the owner in errors)."""
+def acquire(groups: Iterable[Ranks], tag: str = "", what: str = "mimo_fx",
+            device: torch.device | None = None) -> None:
+    """Create (or reference) every group this rank is a member of; call on every rank of
+    the owner (a bridge: the ranks of its grids) with the same list (``what`` names the
+    owner in errors; ``device``: where the groups' data moves, default
+    :func:`data_device`)."""
     _sync_world()
-    world = dist.get_world_size()
+    world, rank = dist.get_world_size(), dist.get_rank()
     for ranks in groups:
         if ranks[-1] >= world:
             raise MimoFxError(f"group {ranks} needs rank {ranks[-1]} but the world has "
                               f"{world} ranks; check the grids' sizes and offsets")
+        if rank not in ranks:
+            continue
         entry = POOL.groups.get((tag, ranks))
         if entry is not None:
             entry[1] += 1
             continue
         mesh = mesh_groups(ranks) if tag != CHECK and "p2p" not in tag else None
         if mesh is not None:  # a mesh dim's own group: used, never created nor destroyed
-            pg = mesh[0].get_group(mesh[1]) if dist.get_rank() in ranks else None
+            pg = mesh[0].get_group(mesh[1])
             POOL.reused += 1
         elif len(ranks) == world and not tag:
             pg = dist.group.WORLD
         else:
-            pg = _new_group(ranks, tag, what)
+            pg = _create(ranks, tag, what)
             POOL.created += 1
             POOL.retired_done = True  # the retired groups' peers are through connecting
         POOL.groups[tag, ranks] = [pg, 1, mesh is not None]
+        _join(pg, ranks, what, device or data_device())
 
 
 def release(groups: Iterable[Ranks], tag: str = "", abandon: bool = False) -> None:
@@ -261,14 +360,12 @@ def release(groups: Iterable[Ranks], tag: str = "", abandon: bool = False) -> No
             if abandon:
                 keep_alive(pg)  # never destroyed: a peer may still take its messages
             elif pg is not dist.group.WORLD and POOL.world is world_token() is not None:
-                gloo = False
-                if isinstance(pg, dist.ProcessGroup):  # not on non-members
-                    gloo = dist.get_backend(pg) == "gloo"
-                    forget(pg.group_name)
-                    dist.destroy_process_group(pg)
+                off_thread = not _own_backend(pg, "cuda")  # (gloo's: see _OffThread)
+                forget(pg.group_name)
+                dist.destroy_process_group(pg)
                 # referenced until the next group is created (see the module docstring)
                 POOL.retired_done = False
-                keep_alive(_OffThread(pg) if gloo else pg, lambda: POOL.retired_done)
+                keep_alive(_OffThread(pg) if off_thread else pg, lambda: POOL.retired_done)
 
 
 def group_name(ranks: Ranks, tag: str = "") -> str:

@@ -2,14 +2,14 @@
 
 Every user of process groups -- a bridge, a pipelined bridge's channels, gradient sums --
 holds a :class:`Lease`: it creates (or references) every group eagerly on construction,
-in one order on every rank (see :mod:`.groups`: lazily created groups deadlock), checks
+in one order on every rank of them (see :mod:`.groups`: lazily created groups deadlock), checks
 before each use that it is still alive and that its ``torch.distributed`` world is the
 one it was built in, and releases the groups once. :func:`keep_alive` is the one place
 that keeps in-flight work (a send its receiver has not taken, a destroyed group a peer
 may still be connecting through) referenced until it is through: dropping it early can
 cancel a message under the peer.
 
->>> # on every rank: lease = Lease("my bridge", [(0, 1), (0, 1, 2, 3)])
+>>> # on ranks 0-3: lease = Lease("my bridge", [(0, 1), (0, 1, 2, 3)])
 >>> # lease.comm().all_gather(x, (0, 1)); lease.release()
 """
 
@@ -45,19 +45,21 @@ def release_dropped() -> None:
 class Lease:
     """Process groups held by ``what`` (named in errors): ``data`` groups (tag ``""``,
     shared with every other lease of the same ranks) and groups of a ``tag`` of its own
-    (e.g. check groups, channels). Build it on every rank, in the same order."""
+    (e.g. check groups, channels), whose data moves on ``device`` (default: the world's,
+    :func:`.groups.data_device`). Build it on every rank of its groups, in the same
+    order; a rank holds the groups it is a member of."""
 
     def __init__(self, what: str, data: Sequence[Ranks] = (),
-                 tagged: Sequence[tuple[str, Ranks]] = ()) -> None:
+                 tagged: Sequence[tuple[str, Ranks]] = (), device=None) -> None:
         self.what = what
         self.rank = require_world(what)
         release_dropped()
         self.data = tuple(dict.fromkeys(data))
         self.tagged = tuple(dict.fromkeys(tagged))
         before = groups.created(), groups.reused()
-        groups.acquire(self.data, what=what)
+        groups.acquire(self.data, what=what, device=device)
         for tag, ranks in self.tagged:
-            groups.acquire([ranks], tag, what)
+            groups.acquire([ranks], tag, what, device)
         self.created = groups.created() - before[0]  # process groups this lease made
         self.reused = groups.reused() - before[1]    # mesh dims' groups it took instead
         self.world = groups.world_token()

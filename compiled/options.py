@@ -34,7 +34,8 @@ class Options:
         checked: every rank gathers what every rank was called with before each call, so any
             rank's mistake raises on every rank (see :mod:`.guard`).
         device: where data moves and ranks without a src piece make their placeholder
-            (None: the current CUDA device under NCCL, else CPU).
+            (None: the current CUDA device where the world has a CUDA backend of its
+            own, NCCL; else CPU: :func:`.groups.data_device`).
     """
 
     dtype: torch.dtype = torch.float32
@@ -63,11 +64,9 @@ class Options:
         """The device data moves on."""
         if self.device is not None:
             return torch.device(self.device)
-        import torch.distributed as dist
+        from .groups import data_device
 
-        if dist.is_initialized() and dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return data_device()
 
 
 OPTION_NAMES = Options.names()

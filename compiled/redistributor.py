@@ -91,15 +91,11 @@ class Redistributor:
                  dtype=torch.float32, *, grad_partial=(), comm_dtype=None,
                  checked: bool = False, device=None, name: str | None = None) -> None:
         self.rank = require_world("Redistributor")
-        opts = Options(dtype, grad_partial, comm_dtype, checked, device)
-        src, dst = _own("src", src), _own("dst", dst)
-        self.src, self.dst, self.options = src, dst, opts
-        self._context_text = _message_prefix(src, dst, opts.checked)
-        self.sizing = sizing_for(src, dst, sizes, opts.dtype, opts.grad_partial, self.rank,
-                                 self._context())
+        self._define(src, dst, sizes, Options(dtype, grad_partial, comm_dtype, checked,
+                                              device), name)
+        src, dst, opts = self.src, self.dst, self.options
         self.union, self.involved = self.sizing.union, self.rank in self.sizing.union
         self.device = opts.resolved_device()
-        self.name, self._named = _identity(src, dst, name), name is not None
         self.sizing.name = self.name
         self._agree()
         # each direction on groups of its own, tagged by the bridge's identity; and a
@@ -110,7 +106,7 @@ class Redistributor:
         tagged += [(bwd, g) for g in self.sizing.groups["backward"]]
         checks = [(CHECK, self.union)] if len(self.union) > 1 else []
         self.lease = Lease(f"this bridge {src.describe()!r} -> {dst.describe()!r}",
-                           (), tagged + checks)
+                           (), tagged + checks, self.device)
         self.source_only = self.involved and not dst.holds(self.rank)
         # a source-only rank's results awaiting joined(): the last call's, or a transform's
         self.source_result, self.source_results_in_transform = None, []
@@ -145,11 +141,21 @@ class Redistributor:
         self._identity = (not self.sizing.varies and self.sizing.fwd_program.identity
                           and self.sizing.bwd_program.identity)
 
+    def _define(self, src, dst, sizes, opts: Options, name) -> None:
+        """The bridge's definition, checked on this rank: its layouts, options, sizes
+        (its plans) and name."""
+        src, dst = _own("src", src), _own("dst", dst)
+        self.src, self.dst, self.options = src, dst, opts
+        self._context_text = _message_prefix(src, dst, opts.checked)
+        self.sizing = sizing_for(src, dst, sizes, opts.dtype, opts.grad_partial,
+                                 self.rank, self._context())
+        self.name, self._named = _identity(src, dst, name), name is not None
+
     def _agree(self) -> None:
-        """A bridge that creates groups is built alike on every rank: agree on its whole
-        definition first (see :mod:`.agree`)."""
-        if len(self.union) > 1:
-            agree(self.name, self._definition(), "mimo_fx")
+        """A bridge that creates groups is built alike on every rank of its grids: agree
+        on its whole definition first (see :mod:`.agree`)."""
+        if self.involved and len(self.union) > 1:
+            agree(self.name, self._definition(), "mimo_fx", self.union)
 
     def _require_compiler(self) -> None:
         """The compiler settings this bridge's traced calls need."""

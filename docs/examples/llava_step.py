@@ -101,7 +101,7 @@ def batch(step: int):
 
 def train(rank: int, world: int, steps: int = 3, backend: str = "aot_eager", lr: float = LR):
     """Train ``steps`` SGD steps on this rank (ranks 0-3; ranks 4 and up of a larger world
-    only take part in making the process groups). A generator: after each step's
+    only take part in making the device meshes). A generator: after each step's
     backward it yields ``(step, loss or None, this rank's parameters by name)``, before
     the optimizer's step."""
     if backend == "inductor":  # its channels-last conv layout and an unbacked image count
@@ -121,6 +121,8 @@ def train(rank: int, world: int, steps: int = 3, backend: str = "aot_eager", lr:
         params = {n: p for n, p in model.named_parameters()
                   if n.startswith(("model.language_model", "lm_head"))}
     # --
+    if rank >= 4:  # a larger world's other ranks: they took part in making the meshes
+        return     # (torch's rule); a bridge is built by its grids' ranks only
     # -- glue
     bridge = Redistributor(Layout(enc, "(dp t) h", ragged="dp"), Layout(lm, "t h"), {"h": H})
 
@@ -129,8 +131,6 @@ def train(rank: int, world: int, steps: int = 3, backend: str = "aot_eager", lr:
         image = BaseModelOutputWithPooling(pooler_output=[bridge(None)])  # every image row
         return model(input_ids=ids, labels=labels, mm_encoder_outputs={"image": image}).loss
     # --
-    if rank >= 4:  # a larger world's other ranks: they took part in making the groups
-        return
     # -- loop
     opt = torch.optim.SGD(params.values(), lr=lr)
     for k in range(steps):
