@@ -36,11 +36,11 @@ OPTIONS = ("sizes", *OPTION_NAMES)
 
 def prepare(src: Layout, dst: Layout, sizes: dict | None = None, dtype=torch.float32, *,
             grad_partial=(), comm_dtype=None, checked: bool = False,
-            device=None) -> Redistributor:
+            device=None, frozen: bool | None = None) -> Redistributor:
     """Create (once) the bridge :func:`redistribute` uses for these layouts and options.
     ``sizes`` pins those dims (calls then give them or nothing, and gather nothing for
     them); the others are given or learned per call."""
-    opts = Options(dtype, grad_partial, comm_dtype, checked, device)
+    opts = Options(dtype, grad_partial, comm_dtype, checked, device, frozen)
     return bridge_for(src, dst, opts, sizes)
 
 
@@ -64,7 +64,8 @@ def bridge_for(src: Layout, dst: Layout, opts: Options, sizes: dict | None = Non
                 f"{dst.describe()!r}")
         bridge = live.keep(key, Redistributor(
             src, dst, sizes, opts.dtype, grad_partial=opts.grad_partial,
-            comm_dtype=opts.comm_dtype, checked=opts.checked, device=opts.device))
+            comm_dtype=opts.comm_dtype, checked=opts.checked, device=opts.device,
+            frozen=opts.frozen))
     elif sizes and size_arguments(src, dst, sizes, {}, where, OPTIONS) != bridge.fixed:
         raise MimoFxError(f"{where}: {src.describe()!r} -> {dst.describe()!r} is already "
                           f"prepared with sizes {bridge.fixed}, not {sizes}; call "
@@ -74,7 +75,7 @@ def bridge_for(src: Layout, dst: Layout, opts: Options, sizes: dict | None = Non
 
 def redistribute(x: torch.Tensor | None, src: Layout, dst: Layout, *, sizes=None,
                  grad_partial=(), comm_dtype=None, checked: bool = False, dtype=None,
-                 **dim_sizes):
+                 frozen: bool | None = None, **dim_sizes):
     """This rank's part of ``redistribute``.
 
     Global sizes come from ``sizes={dim: n}`` and size keywords (``b=8``); those not
@@ -86,7 +87,7 @@ def redistribute(x: torch.Tensor | None, src: Layout, dst: Layout, *, sizes=None
     require_world("redistribute on a single tensor")
     if dtype is None:
         dtype = x.dtype if isinstance(x, torch.Tensor) else torch.float32
-    opts = Options(dtype, grad_partial, comm_dtype, checked)
+    opts = Options(dtype, grad_partial, comm_dtype, checked, frozen=frozen)
     bridge = bridge_for(src, dst, opts, where="redistribute")
     # the call's batch, where the bridge serves several (see CallSizes.batch_of)
     return bridge(x, given, **bridge.sizing.batch_of(src, dst))

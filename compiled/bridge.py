@@ -270,7 +270,13 @@ class Bridge(Redistributor):
         if not self.involved:
             return [None] * len(halves)
         self._settle_checks()
+        frozen = self._frozen_calls()
+        if frozen:  # (a source tensor that requires grad is refused, as in a call)
+            for h in halves:
+                if h[0] == "forward":
+                    self._backward_runs(h[1])
         steps = [self._forward(h[1], h[2], h[3]) if h[0] == "forward"
+                 else _nothing() if frozen  # (a frozen source's backward moves nothing)
                  else self._backward(h[1], any(g[0] == "forward" for g in halves[:i]))
                  for i, h in enumerate(halves)]
         try:
@@ -291,16 +297,31 @@ class Bridge(Redistributor):
 
     def recv_forward(self, x: torch.Tensor | None = None, sizes: dict | None = None, *,
                      src=None, dst=None) -> torch.Tensor | None:
-        """This rank's dst piece, as a leaf that requires grad (a stage input)."""
+        """This rank's dst piece, as a leaf that requires grad (a stage input; a frozen
+        source's needs none)."""
         y = self._calls(("forward", x, sizes, self._layouts(src, dst)))[0]
-        return y if y is None else y.requires_grad_(torch.is_floating_point(y))
+        return self._stage_input(y)
+
+    def _stage_input(self, y: torch.Tensor | None) -> torch.Tensor | None:
+        if y is None or self._frozen_calls():
+            return y
+        return y.requires_grad_(torch.is_floating_point(y))
+
+    def _frozen_calls(self) -> bool:
+        """Whether the imperative calls treat the source as frozen: only when built with
+        ``frozen=True`` (a schedule sends detached stage outputs, so a tensor's
+        requires_grad says nothing here; by default the backward runs, as a pipeline
+        schedule expects)."""
+        return self.options.frozen is True
 
     def send_backward(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """Send the gradient of this rank's dst piece; returns its src gradient if any."""
+        """Send the gradient of this rank's dst piece; returns its src gradient if any
+        (a frozen source's backward moves nothing: None)."""
         return self._calls(("backward", grad))[0]
 
     def recv_backward(self, grad: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The gradient of this rank's src piece (``shard(G, src*)``)."""
+        """The gradient of this rank's src piece (``shard(G, src*)``; None for a frozen
+        source)."""
         return self._calls(("backward", grad))[0]
 
     def send_forward_recv_backward(self, x: torch.Tensor | None,
@@ -318,7 +339,7 @@ class Bridge(Redistributor):
                                    dst=None) -> torch.Tensor | None:
         """Send ``grad`` back, then receive the next activation (dst side of a 1F1B step)."""
         y = self._calls(("backward", grad), ("forward", x, sizes, self._layouts(src, dst)))[1]
-        return y if y is None else y.requires_grad_(torch.is_floating_point(y))
+        return self._stage_input(y)
 
     def flush(self) -> None:
         """Wait until every send of this rank was received and every row it was sent
@@ -345,6 +366,13 @@ class Bridge(Redistributor):
             self._channel_lease.release(abandon=self._failed)
             self._channels = ()
         super().destroy()
+
+
+def _nothing() -> Iterator:
+    """A half that moves nothing (the backward of a frozen source): posts nothing, then
+    gives None."""
+    yield None
+    yield None
 
 
 def _dropped(lease: Lease, channels: tuple[Channel, ...]) -> None:

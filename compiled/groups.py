@@ -283,7 +283,8 @@ def _create(ranks: Ranks, tag: str, what: str):
         world.bound_device_id = None
         pg, _ = c10d._new_process_group_helper(
             len(ranks), ranks.index(rank), list(ranks), c10d.get_backend(world),
-            c10d._get_default_store(), _name(tag, ranks), timeout=_timeout(tag),
+            c10d._get_default_store(), _name(tag, ranks),  # type: ignore[arg-type]
+            timeout=_timeout(tag),
             group_desc=f"mimo_fx {tag or 'data'} group")
     except RuntimeError as err:  # (gloo: DistStoreError, DistNetworkError)
         raise MimoFxError(

@@ -36,6 +36,13 @@ class Options:
         device: where data moves and ranks without a src piece make their placeholder
             (None: the current CUDA device where the world has a CUDA backend of its
             own, NCCL; else CPU: :func:`.groups.data_device`).
+        frozen: whether the source needs no gradient (a frozen encoder). ``True``: the
+            backward moves nothing on any rank and no rank's result requires grad (a
+            source tensor that requires grad is an error: its gradient would be lost);
+            ``False``: the backward always runs, on every rank (a source tensor that
+            needs no gradient takes part, its gradient dropped); ``None``: decided by
+            the bridge's first call, from whether any source rank's input requires grad
+            (see :meth:`~.redistributor.Redistributor.frozen`).
     """
 
     dtype: torch.dtype = torch.float32
@@ -43,6 +50,7 @@ class Options:
     comm_dtype: torch.dtype | None = None
     checked: bool = False
     device: str | None = None
+    frozen: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grad_partial", axis_names(self.grad_partial, "grad_partial"))
@@ -51,6 +59,10 @@ class Options:
                 raise MimoFxError(f"{name}={value!r} must be a torch.dtype, e.g. torch.bfloat16")
         if not isinstance(self.checked, bool):
             raise MimoFxError(f"checked={self.checked!r} must be True or False")
+        if self.frozen is not None and not isinstance(self.frozen, bool):
+            raise MimoFxError(f"frozen={self.frozen!r} must be True (the source needs no "
+                              f"gradient), False (the backward always runs) or None (decided "
+                              f"by the first call)")
         if self.device is not None:
             object.__setattr__(self, "device", str(torch.device(self.device)))
         _check_comm_dtype(self.dtype, self.comm_dtype)

@@ -50,15 +50,18 @@ class Channel(Comm):
         self.rank = rank
         self._sent: list[tuple[dist.Work, torch.Tensor]] = []
         self._posted: list[tuple[dist.Work, torch.Tensor]] = []  # receives, until they end
+        self.messages = 0  # messages posted over the channel (sends and receives)
 
     # -- messages -----------------------------------------------------------------------
     def _send(self, piece: torch.Tensor, peer: int, tag: int) -> None:
         piece = piece.contiguous()
+        self.messages += 1
         work = dist.isend(piece, dst=peer, group=self.group, tag=tag)
         assert work is not None  # (None only off the group)
         self._sent.append((work, piece))
 
     def _recv(self, into: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        self.messages += 1
         work = dist.irecv(into, src=peer, group=self.group, tag=tag)
         assert work is not None
         self._posted.append((work, into))

@@ -88,11 +88,14 @@ class Boundary:
 
     ``grad_partial``: axes of ``dst`` replicating the input whose gradients each replica
     holds only a part of, summed on the way back (a column-parallel stage's input).
+    ``frozen``: stage i needs no gradient (a frozen encoder): nothing crosses the
+    boundary backward, and stage i+1's input requires none.
     """
 
     src: Layout
     dst: Layout
     grad_partial: tuple[str, ...] = ()
+    frozen: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.src, Layout) or not isinstance(self.dst, Layout):
@@ -101,6 +104,8 @@ class Boundary:
         partial = self.grad_partial
         object.__setattr__(self, "grad_partial",
                            (partial,) if isinstance(partial, str) else tuple(partial))
+        if not isinstance(self.frozen, bool):
+            raise MimoFxError(f"Boundary(frozen={self.frozen!r}) must be True or False")
 
 
 class Direction(enum.Enum):
@@ -297,7 +302,8 @@ class BridgedPipeline:
         """The bridge of one boundary (built on every rank: it creates process groups)."""
         dims = dict.fromkeys(boundary.src.dims + boundary.dst.dims)
         return Bridge(boundary.src, boundary.dst, {d: self.sizes[d] for d in dims},
-                      self.dtype, grad_partial=boundary.grad_partial, **self._options)
+                      self.dtype, grad_partial=boundary.grad_partial,
+                      frozen=boundary.frozen or None, **self._options)
 
     @property
     def num_stages(self) -> int:
@@ -402,6 +408,9 @@ class BridgedStage(PipelineStage):
         self._out = pipe.bridges[index] if not last else None
         self._in_layout = pipe.boundaries[index - 1].dst if index > 0 else None
         self._out_layout = pipe.boundaries[index].src if not last else None
+        # a frozen boundary: nothing crosses it backward
+        self._in_frozen = index > 0 and pipe.boundaries[index - 1].frozen
+        self._out_frozen = not last and pipe.boundaries[index].frozen
         super().__init__(module, index, pipe.num_stages, pipe.device)
 
     # torch reads the pipeline rank and the number of pipeline ranks from a process
@@ -474,10 +483,10 @@ class BridgedStage(PipelineStage):
             inputs = tuple(_TensorMeta.from_tensor(a) for a in args)
         else:
             assert self._in_layout is not None
-            inputs = (self._meta(self._in_layout, has_backward),)
+            inputs = (self._meta(self._in_layout, has_backward and not self._in_frozen),)
         self._user_meta.inputs = inputs
-        self._user_meta.outputs = (() if self._out_layout is None
-                                   else (self._meta(self._out_layout, has_backward),))
+        self._user_meta.outputs = (() if self._out_layout is None else (
+            self._meta(self._out_layout, has_backward and not self._out_frozen),))
         return super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward)
 
     def _resolve_peer_global_rank(self, stage_idx: int) -> int:
@@ -512,7 +521,7 @@ class BridgedStage(PipelineStage):
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         """Receive the gradient of micro-batch ``bwd_chunk_id``'s output (no ops)."""
-        if not self.has_backward or self._out is None:
+        if not self.has_backward or self._out is None or self._out_frozen:
             self._pipe.outbox.flush()
             return []
         (info,) = self.grad_recv_info[bwd_chunk_id]
@@ -521,8 +530,11 @@ class BridgedStage(PipelineStage):
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         """Send the gradient of micro-batch ``bwd_chunk_id``'s input (deferred)."""
-        if not self.has_backward or self._in is None:
+        if not self.has_backward or self._in is None or self._in_frozen:
             self._pipe.outbox.flush()
+            if self._in_frozen and self.has_backward:
+                self._check_chunk_id(bwd_chunk_id)
+                self.bwd_cache.pop(bwd_chunk_id, None)
             return []
         self._check_chunk_id(bwd_chunk_id)
         (grad,) = self.bwd_cache.pop(bwd_chunk_id)

@@ -24,7 +24,7 @@ import sys
 import warnings
 import weakref
 from collections import Counter
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch._C._functorch import TransformType, peek_interpreter_stack
@@ -69,8 +69,9 @@ class Redistributor:
         sizes: global sizes of the dims that never change (``None`` or a part of the
             dims: the others are given or learned per call, see :mod:`.sizing`). A ragged
             dim's size is its tuple of counts.
-        dtype, grad_partial, comm_dtype, checked, device: the bridge's options
-            (:class:`~.options.Options`). ``checked``: before each call all ranks
+        dtype, grad_partial, comm_dtype, checked, device, frozen: the bridge's options
+            (:class:`~.options.Options`; ``frozen``: a source that needs no gradient,
+            see :meth:`frozen`). ``checked``: before each call all ranks
             gather what they were called with (on a group of their own), so any
             rank's mistake raises :class:`MimoFxError` on every rank instead of hanging;
             a rank waits for the others ``MIMO_FX_TIMEOUT`` seconds (300). Unchecked calls
@@ -89,10 +90,11 @@ class Redistributor:
 
     def __init__(self, src: Layout, dst: Layout, sizes: dict | None = None,
                  dtype=torch.float32, *, grad_partial=(), comm_dtype=None,
-                 checked: bool = False, device=None, name: str | None = None) -> None:
+                 checked: bool = False, device=None, name: str | None = None,
+                 frozen: bool | None = None) -> None:
         self.rank = require_world("Redistributor")
         self._define(src, dst, sizes, Options(dtype, grad_partial, comm_dtype, checked,
-                                              device), name)
+                                              device, frozen), name)
         src, dst, opts = self.src, self.dst, self.options
         self.union, self.involved = self.sizing.union, self.rank in self.sizing.union
         self.device = opts.resolved_device()
@@ -103,7 +105,8 @@ class Redistributor:
         # disagree on checked= still create the same groups)
         fwd, bwd = f"{self.name} >", f"{self.name} <"
         tagged = [(fwd, g) for g in self.sizing.groups["forward"]]
-        tagged += [(bwd, g) for g in self.sizing.groups["backward"]]
+        if not opts.frozen:  # (a frozen source's backward moves nothing)
+            tagged += [(bwd, g) for g in self.sizing.groups["backward"]]
         checks = [(CHECK, self.union)] if len(self.union) > 1 else []
         self.lease = Lease(f"this bridge {src.describe()!r} -> {dst.describe()!r}",
                            (), tagged + checks, self.device)
@@ -130,6 +133,7 @@ class Redistributor:
         checks_bwd = checked and self._check_comm is not None
         self.executor.check = self._check_backward if checks_bwd else None
         self._no_src = placeholder(len(src.local_dims), opts.dtype, self.device, grad=True)
+        self._no_src_plain = placeholder(len(src.local_dims), opts.dtype, self.device)
         self._label = f"mimo_fx.redistribute {src.describe()} -> {dst.describe()}"
         self._require_compiler()
         _log_plans(self)
@@ -154,8 +158,9 @@ class Redistributor:
     def _agree(self) -> None:
         """A bridge that creates groups is built alike on every rank of its grids: agree
         on its whole definition first (see :mod:`.agree`)."""
+        self._place, self._decided = "", cast(bool | None, None)  # (see frozen)
         if self.involved and len(self.union) > 1:
-            agree(self.name, self._definition(), "mimo_fx", self.union)
+            self._place = agree(self.name, self._definition(), "mimo_fx", self.union)
 
     def _require_compiler(self) -> None:
         """The compiler settings this bridge's traced calls need."""
@@ -217,7 +222,8 @@ class Redistributor:
                 "dst": repr(key_of(self.dst)),
                 "sizes": repr(dict(sorted(self.fixed.items()))), "dtype": str(o.dtype),
                 "comm_dtype": str(o.comm_dtype), "grad_partial": repr(o.grad_partial),
-                "checked": str(o.checked), "device": self.device.type}
+                "checked": str(o.checked), "device": self.device.type,
+                "frozen": str(o.frozen)}
 
     def _context(self) -> str:
         return self._context_text
@@ -315,21 +321,22 @@ class Redistributor:
         print_ = None  # what checked mode compares: with the sizes if free
         if self.free and self.checked and not torch.compiler.is_compiling():
             print_ = fingerprint("src", *self.guard.key, _size_key(full))
-        grad = torch.is_grad_enabled() and (x.requires_grad if isinstance(x, torch.Tensor)
-                                            else self._no_src.requires_grad)
+        grad = self._backward_runs(x)
         if not self.guard(x, "src", shape, full, print_, grad, digest):
             # (compiled, checked: the check raises on every rank when the graph runs)
             return self._no_src.new_zeros((0,) * len(self.dst.local_dims))
         if self._identity and x is not None:
             return x.view_as(x)  # (a view: its grad passes through)
         if x is None:
-            x = self._no_src
+            x = self._no_src if grad else self._no_src_plain
             self._warn_none_in_func(bwd)
+        elif grad and not x.requires_grad:  # it takes part in the backward all the same
+            x = _Joined.apply(x, self._no_src)
         assert x is not None  # the guard rejected None on ranks that hold src
         if post:
-            return Pending(None, self, x, fwd, bwd, env, index)
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # no autograd possible: skip the autograd.Function layer (tens of µs a call)
+            return Pending(None, self, x, fwd, bwd, env, index, grad)
+        if not grad and not torch.compiler.is_compiling():
+            # no backward on any rank: skip the autograd.Function layer (tens of µs a call)
             env_map = None if env is None else dict(zip(self.sizing.variables, env))
             (y,) = self.executor.run(fwd, (x,), env_map, index)
             return y
@@ -342,6 +349,73 @@ class Redistributor:
             x = x.view(x.shape)
         (y,) = apply(self.executor, fwd, bwd, (x,), env, self.sizing.variables, index)
         return self._keep(y)
+
+    # -- whether a call's backward runs: a frozen source ---------------------------------
+    def _backward_runs(self, x) -> bool:
+        """Whether this call's backward runs: on every rank of the bridge alike, under
+        autograd, for float data, unless the source is frozen (:meth:`frozen`). A source
+        tensor that requires grad on a frozen bridge is refused here, before any
+        collective: its gradient would be lost."""
+        if not self._no_src.requires_grad:
+            return False  # (ints)
+        grad, holds = torch.is_grad_enabled(), self.src.holds(self.rank)
+        # (a rank holding no piece may pass an empty tensor that requires grad: a torch.func
+        # transform's anchor)
+        wants = grad and holds and isinstance(x, torch.Tensor) and x.requires_grad
+        if not grad and not holds:
+            return False  # (the call's peers run under no_grad too)
+        if not self._frozen(wants):  # (a source rank decides at its first call, always)
+            return grad
+        if wants:
+            how = ("it was built with frozen=True" if self.options.frozen else
+                   "no source rank's input required grad at its first call")
+            raise_now(self._context() + f"rank {self.rank}'s input requires grad, but this "
+                      f"bridge's source is frozen ({how}): its backward moves nothing, and "
+                      f"this gradient would be lost. Pass x.detach() to keep the source "
+                      f"frozen, or build the bridge with frozen=False to run its backward "
+                      f"on every call")
+        return False
+
+    def frozen(self) -> bool | None:
+        """Whether the bridge's source is frozen: its backward moves nothing on any rank
+        and no rank's result requires grad. ``frozen=`` when it was built; otherwise
+        decided by its first call (None until then): frozen if no rank holding a source
+        piece passed a tensor that requires grad under autograd (posted once through the
+        store by the source ranks, read by every rank of both grids; under
+        ``torch.compile`` while the first call is traced). A later source tensor that
+        requires grad is then an error; one that needs none, on a bridge that is not
+        frozen, takes part in the backward all the same."""
+        return self.options.frozen if self.options.frozen is not None else self._decided
+
+    def _frozen(self, wants: bool) -> bool:
+        """:meth:`frozen`, deciding it at this, the first, call (``wants``: whether this
+        rank's input requires grad)."""
+        if self.options.frozen is not None:
+            return self.options.frozen
+        if torch.compiler.is_compiling():
+            from torch._dynamo.comptime import comptime
+
+            name = self.name  # noqa: F841 (read by _decide_traced, with wants)
+            comptime(_decide_traced)
+            # (read only after the decision: Dynamo keeps the value it read first)
+            return bool(self._decided)
+        if self._decided is None:
+            self._decide(wants)
+        return bool(self._decided)
+
+    def _decide(self, wants: bool) -> None:
+        """Whether the source is frozen, decided by every rank of both grids from what
+        the source ranks' first calls post (see :meth:`frozen`)."""
+        from .agree import posted_once
+
+        holders = tuple(r for r in self.union if self.src.holds(r))
+        mine = ("1" if wants else "0") if self.src.holds(self.rank) else None
+        if len(self.union) == 1:
+            values = [mine or "0"]
+        else:
+            values = posted_once(self._place, "frozen", self.union, holders, mine,
+                                 self.described)
+        self._decided = "1" not in values
 
     def _keep(self, y: torch.Tensor) -> torch.Tensor:
         if not (self.source_only and y.requires_grad):
@@ -469,13 +543,14 @@ class Pending:
     result, waiting for the transfer if it is still in flight."""
 
     def __init__(self, result: torch.Tensor | None, bridge: Redistributor | None = None,
-                 x=None, fwd=None, bwd=None, env=None, index: tuple = ()) -> None:
+                 x=None, fwd=None, bwd=None, env=None, index: tuple = (),
+                 grad: bool = False) -> None:
         self._result, self._bridge = result, bridge
         self._done = bridge is None
         if bridge is not None:
             env_map = None if env is None else dict(zip(bridge.sizing.variables, env))
             self._args = (x, fwd, bwd, env, index)
-            self._grad = torch.is_grad_enabled() and x.requires_grad
+            self._grad = grad
             self._run = bridge.executor.start(fwd, (x.detach(),), env_map, index)
 
     def wait(self) -> torch.Tensor | None:
@@ -585,6 +660,32 @@ def _awaiting_backward(bridges=None) -> list[torch.Tensor]:
 # cannot take symbolic ints (a grid's ranks, a fingerprint). The registry holds a second
 # handle on the bridge, sharing its state (Dynamo reaches an object it has seen through
 # the first path it saw it by), weakly: a bridge nobody holds can still be collected.
+class _Joined(torch.autograd.Function):
+    """``x``, joined to ``anchor`` (a placeholder that requires grad): a source tensor that
+    needs no gradient still takes part in its bridge's backward, which every rank runs
+    (the gradient it gets is dropped)."""
+
+    @staticmethod
+    def forward(x, anchor):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+def _decide_traced(ctx) -> None:
+    """While a compiled call is traced, at trace time: decide whether its bridge's source
+    is frozen (:meth:`Redistributor._frozen`; the frame's ``name`` and ``wants``)."""
+    bridge = live.named(ctx.get_local("name").as_python_constant())
+    if bridge._decided is None:
+        bridge._decide(bool(ctx.get_local("wants").as_python_constant()))
+
+
 def _message_prefix(src, dst, checked: bool) -> str:
     """How a bridge's messages start, made once when it is built: every call passes it
     on, and describing the layouts on every call read a packed layout's batch (its

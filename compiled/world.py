@@ -41,15 +41,16 @@ class ProcessWorld:
         # set to [] to record eager calls (the bytes a step moves, see bytes_sent)
         self.calls: list[tuple[Any, dict, bool]] | None = None
 
-    def bridge(self, src: Layout, dst: Layout, sizes: dict, grad_partial=()):
+    def bridge(self, src: Layout, dst: Layout, sizes: dict, grad_partial=(),
+               frozen: bool | None = None):
         """The bridge for these layouts (from the one bridge cache): built with the sizes
         of the dims that do not vary; those that do are given in each call (one compiled
         graph serves them)."""
         from . import bridge_for
 
         fixed = {d: n for d, n in sizes.items() if d not in self.vary}
-        opts = Options(self.dtype, grad_partial)
-        key = (src, dst, opts.grad_partial)
+        opts = Options(self.dtype, grad_partial, frozen=frozen)
+        key = (src, dst, opts.grad_partial, opts.frozen)
         if key not in self._bridges:
             self._bridges[key] = bridge_for(src, dst, opts, fixed, "ProcessWorld")
         return self._bridges[key]
@@ -68,8 +69,9 @@ class ProcessWorld:
         assert out is not None  # (loss is a tensor)
         return out
 
-    def redistribute(self, pieces, src: Layout, dst: Layout, *, grad_partial=(), **sizes):
-        bridge = self.bridge(src, dst, sizes, grad_partial)
+    def redistribute(self, pieces, src: Layout, dst: Layout, *, grad_partial=(),
+                     frozen=None, **sizes):
+        bridge = self.bridge(src, dst, sizes, grad_partial, frozen)
         x = pieces.get(self.rank)
         # (asked first, so that a compiled step never looks at the recording list)
         if (not torch.compiler.is_compiling() and self.calls is not None

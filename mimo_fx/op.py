@@ -33,7 +33,7 @@ def _check_layout(side: str, layout) -> None:
 
 
 def redistribute(x, src, dst, *, sizes=None, grad_partial=(), comm_dtype=None,
-                 checked: bool = False, dtype=None, **dim_sizes):
+                 checked: bool = False, dtype=None, frozen: bool | None = None, **dim_sizes):
     """Move a tensor from layout ``src`` to layout ``dst``; differentiable.
 
     ``x`` is either this rank's local tensor (``None`` on ranks holding no src piece)
@@ -46,7 +46,9 @@ def redistribute(x, src, dst, *, sizes=None, grad_partial=(), comm_dtype=None,
     Global dim sizes the local shapes cannot tell are size keywords (``b=30``) or
     ``sizes={"b": 30}`` (for a dim named like an option); any other keyword raises.
     ``grad_partial`` names dst replicated axes whose cotangents are per-replica
-    contributions to be summed (e.g. a zero-padding CP ``index_select``). The compiled
+    contributions to be summed (e.g. a zero-padding CP ``index_select``). ``frozen=True``:
+    the source needs no gradient (a frozen encoder), so the backward moves nothing and
+    no result requires grad (:meth:`mimo_fx.compiled.Redistributor.frozen`). The compiled
     backend's options: ``comm_dtype`` (move data in this dtype), ``checked`` (every rank
     raises on any rank's mistake), ``dtype`` (for ranks passing None).
 
@@ -75,7 +77,7 @@ def redistribute(x, src, dst, *, sizes=None, grad_partial=(), comm_dtype=None,
         from .reference import redistribute as reference_redistribute
 
         return reference_redistribute(x, src, dst, sizes=sizes, grad_partial=grad_partial,
-                                      **dim_sizes)
+                                      frozen=frozen, **dim_sizes)
     if x is not None and not isinstance(x, torch.Tensor):
         raise MimoFxError(f"redistribute takes a tensor, None, or a dict {{rank: tensor}}; "
                           f"got {type(x).__name__}")
@@ -83,4 +85,4 @@ def redistribute(x, src, dst, *, sizes=None, grad_partial=(), comm_dtype=None,
 
     return compiled_redistribute(x, src, dst, sizes=sizes, grad_partial=grad_partial,
                                  comm_dtype=comm_dtype, checked=checked, dtype=dtype,
-                                 **dim_sizes)
+                                 frozen=frozen, **dim_sizes)

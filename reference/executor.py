@@ -77,16 +77,18 @@ _EXECUTOR = ReferenceExecutor()
 
 def redistribute(
     pieces: dict[int, torch.Tensor], src: Layout, dst: Layout, *, sizes=None,
-    grad_partial=(), **dim_sizes
+    grad_partial=(), frozen: bool | None = None, **dim_sizes
 ) -> dict[int, torch.Tensor]:
     """Redistribute every src rank's piece to every dst rank, through the custom vjp.
 
     ``pieces`` must hold exactly the src holders' local tensors; the result holds the dst
     holders'. Global sizes (``sizes={dim: n}`` and size keywords) are inferred from the
-    pieces unless given; a keyword that is not a dim raises.
+    pieces unless given; a keyword that is not a dim raises. ``frozen=True``: the source
+    needs no gradient, so no result requires grad (a piece that requires grad is an
+    error: its gradient would be lost); the compiled backend's rule.
     """
     given = size_arguments(src, dst, sizes, dim_sizes, "redistribute (reference backend)",
-                           ("sizes", "grad_partial"))
+                           ("sizes", "grad_partial", "frozen"))
     grad_partial = axis_names(grad_partial, "grad_partial")
     pieces = _checked_pieces(pieces, src)
     dtypes = {t.dtype for t in pieces.values()}
@@ -104,6 +106,16 @@ def redistribute(
         full = infer_sizes(src, {r: tuple(pieces[r].shape) for r in src.holders}, given)
     fwd = plan(src, dst, full, dtype)
     bwd = backward_plan(src, dst, full, dtype, grad_partial)
+    if frozen not in (None, True, False):
+        raise MimoFxError(f"frozen={frozen!r} must be True, False or None")
+    if frozen:
+        wanting = sorted(r for r, t in pieces.items() if t.requires_grad)
+        if wanting and torch.is_grad_enabled():
+            raise MimoFxError(f"redistribute with frozen=True: the pieces of ranks {wanting} "
+                              f"require grad, and a frozen source's gradient would be lost; "
+                              f"pass them detached, or drop frozen=True")
+        with torch.no_grad():
+            return _run(fwd, bwd, pieces)
     return _run(fwd, bwd, pieces)
 
 

@@ -20,5 +20,7 @@ class ReferenceWorld:
     def end(self, loss):
         return loss
 
-    def redistribute(self, pieces, src: Layout, dst: Layout, *, grad_partial=(), **sizes):
-        return redistribute(pieces, src, dst, grad_partial=grad_partial, **sizes)
+    def redistribute(self, pieces, src: Layout, dst: Layout, *, grad_partial=(),
+                     frozen=None, **sizes):
+        return redistribute(pieces, src, dst, grad_partial=grad_partial, frozen=frozen,
+                            **sizes)

@@ -404,14 +404,15 @@ def _move_index(src_mesh, src_placements, ndim: int, dst_mesh, dst_placements) -
     return _MOVES.number((src, dst))
 
 
-def _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked):
+def _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked,
+               frozen=None):
     """The bridge moving ``x`` (from the one bridge cache, see mimo_fx.compiled)."""
     from mimo_fx.compiled import bridge_for
     from mimo_fx.compiled.options import Options
 
     src, dst = _MOVES.layouts[_move_index(x.device_mesh, tuple(x.placements), x.dim(), dst_mesh,
                                   tuple(dst_placements))]
-    opts = Options(x.dtype, grad_partial, comm_dtype, checked)
+    opts = Options(x.dtype, grad_partial, comm_dtype, checked, frozen=frozen)
     try:  # sizes free: each call gives its shape (one bridge, one graph for even sizes)
         return bridge_for(src, dst, opts, None, "redistribute_dtensor")
     except MimoFxError as err:
@@ -431,19 +432,21 @@ def _global_shape(x) -> tuple:
 
 
 def prepare(x, dst_mesh, dst_placements: Sequence, *, grad_partial=(), comm_dtype=None,
-            checked: bool = False) -> None:
-    """Create, on every rank, the process groups :func:`redistribute_dtensor` needs, so
-    that it traces under ``torch.compile`` (one eager call does the same)."""
-    _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked)
+            checked: bool = False, frozen: bool | None = None) -> None:
+    """Create, on every rank of both meshes, the process groups
+    :func:`redistribute_dtensor` needs, so that it traces under ``torch.compile`` (one
+    eager call does the same)."""
+    _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked, frozen)
 
 
 def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=(),
-                         comm_dtype=None, checked: bool = False):
-    """Move DTensor ``x`` to ``dst_mesh`` with ``dst_placements``; differentiable.
+                         comm_dtype=None, checked: bool = False, frozen: bool | None = None):
+    """Move DTensor ``x`` to ``dst_mesh`` with ``dst_placements``; differentiable
+    (``frozen=True``: ``x`` needs no gradient, and the backward moves nothing).
 
-    Every rank of the world calls it (mimo_fx, like DeviceMesh, creates process groups
-    over the whole world) with the DTensor it holds: on ranks outside ``x``'s mesh that
-    is DTensor's empty placeholder. Returns:
+    Every rank of both meshes calls it (it builds a bridge over their ranks; a rank of
+    neither may call it too, and gets None) with the DTensor it holds: on ranks outside
+    ``x``'s mesh that is DTensor's empty placeholder. Returns:
 
     - on ranks of ``dst_mesh``: a DTensor on ``dst_mesh`` with ``dst_placements`` (its
       local tensor may be empty where DTensor's chunk rule leaves a shard empty);
@@ -471,7 +474,8 @@ def redistribute_dtensor(x, dst_mesh, dst_placements: Sequence, *, grad_partial=
 
     if not isinstance(x, DTensor):
         raise MimoFxError(f"redistribute_dtensor takes a DTensor, got {type(x).__name__}")
-    bridge = _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked)
+    bridge = _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked,
+                        frozen)
     rank = dist.get_rank()
     full = dict(zip(bridge.src.dims, _global_shape(x)))  # every rank knows it
     sizes: dict = dict(full)

@@ -42,8 +42,9 @@ class World(Protocol):
         """The step's loss, joined to any bridge outputs this process holds none of."""
 
     def redistribute(self, pieces: Pieces, src: Layout, dst: Layout, *,
-                     grad_partial=(), **sizes) -> Pieces:
-        ...
+                     grad_partial=(), frozen=None, **sizes) -> Pieces:
+        """``src`` -> ``dst`` of the pieces this process holds (``frozen=True``: the
+        source needs no gradient, see :func:`mimo_fx.redistribute`)."""
 
 
 def local(fn: Callable[..., torch.Tensor], *pieces: Pieces, rank_arg: bool = False) -> Pieces:
