@@ -39,7 +39,7 @@ from mimo_fx.errors import MimoFxError
 from .groups import POOL
 from .timeouts import cause, timeout_seconds, wait_time
 
-__all__ = ["agree", "posted_once", "PREFIX"]
+__all__ = ["agree", "PREFIX"]
 
 PREFIX = "mimo_fx/agree"
 READ_WAIT = 30.0  # seconds the store's host waits for its peers to read the records
@@ -50,17 +50,16 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
-def agree(name: str, fields: Mapping[str, str], what: str, ranks: tuple[int, ...]) -> str:
+def agree(name: str, fields: Mapping[str, str], what: str, ranks: tuple[int, ...]) -> None:
     """Post this rank's definition of bridge ``name`` (``fields``: field -> canonical
     value) and compare the definitions of every rank of ``ranks`` (the bridge's, this
     rank among them); raise on every one of them if they differ, or if one does not post
     within the timeout. Call on every rank of ``ranks``, before the bridge creates any
-    group. Returns the agreement's place in the store, the bridge's own (its ranks and
-    their build count), for what its ranks later post once (:func:`posted_once`)."""
+    group."""
     if not dist.is_initialized() or len(ranks) == 1:
-        return ""
+        return
     try:
-        return _agree(name, fields, what, ranks)
+        _agree(name, fields, what, ranks)
     except DistError as err:  # the store is gone: its host, rank 0, has exited
         raise MimoFxError(
             f"{what}: rank {dist.get_rank()} lost the store while agreeing on bridge "
@@ -69,7 +68,7 @@ def agree(name: str, fields: Mapping[str, str], what: str, ranks: tuple[int, ...
         ) from None
 
 
-def _agree(name: str, fields: Mapping[str, str], what: str, ranks: tuple[int, ...]) -> str:
+def _agree(name: str, fields: Mapping[str, str], what: str, ranks: tuple[int, ...]) -> None:
     POOL.sync_world()  # (a new world counts its agreements afresh)
     seq = POOL.agreed.get(ranks, 0)
     store = dist.distributed_c10d._get_default_store()
@@ -95,48 +94,6 @@ def _agree(name: str, fields: Mapping[str, str], what: str, ranks: tuple[int, ..
     POOL.agreed[ranks] = seq + 1
     _read(store, base, keys, state, rounds, ranks)
     _judge(records, name, what, ranks)
-    return root
-
-
-def posted_once(place: str, key: str, ranks: tuple[int, ...], posters: tuple[int, ...],
-                mine: str | None, what: str) -> list[str]:
-    """Every value of ``posters`` (ranks among ``ranks``) under ``key`` of a bridge's
-    ``place`` (what :func:`agree` returned), each posted once, read by every rank of
-    ``ranks`` (``mine``: this rank's value, if it posts one): what the bridge's ranks
-    decide together at its first call. A poster that does not post within the timeout
-    is named (``what``: the bridge's description); the last reader deletes the values."""
-    try:
-        return _posted_once(place, key, ranks, posters, mine, what)
-    except DistError as err:
-        raise MimoFxError(
-            f"{what}: rank {dist.get_rank()} lost the store while its ranks decided {key} "
-            f"({cause(err)}): rank 0, which hosts it, has exited (it raised, or its process "
-            f"ended: its own error says why)") from None
-
-
-def _posted_once(place: str, key: str, ranks: tuple[int, ...], posters: tuple[int, ...],
-                 mine: str | None, what: str) -> list[str]:
-    store = dist.distributed_c10d._get_default_store()
-    keys = [f"{place}/{key}/{r}" for r in posters]
-    if mine is not None:
-        store.set(keys[posters.index(dist.get_rank())], mine)
-    deadline = time.monotonic() + timeout_seconds()
-    pause = 0.0005
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            missing = [r for r, k in zip(posters, keys) if not store.check([k])]
-            raise MimoFxError(
-                f"{what}: {_ranks(missing)} did not make their first call within "
-                f"{wait_time()}, so rank {dist.get_rank()} cannot know {key}; every rank of "
-                f"both grids calls the bridge")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
-    values = [v.decode() for v in store.multi_get(keys)]
-    read = f"{place}/{key}/read"
-    if store.add(read, 1) == len(ranks):
-        for k in [*keys, read]:
-            store.delete_key(k)
-    return values
 
 
 def _gave_up(store, keys: list[str], name: str, what: str, ranks: tuple[int, ...]) -> NoReturn:

@@ -192,10 +192,10 @@ def _differ_late(rows, ranks: tuple[int, ...]) -> str | None:
     grads = _ranks_by([r for r in rows if r[3]], [k for k, r in zip(ranks, rows) if r[3]],
                       state + 3)  # (ranks that passed a tensor: a dtype code)
     if len(grads) > 1:
-        return (f"requires_grad differs by rank: {_named(grads.get(1, []))} will run this "
-                f"call's backward, {_named(grads.get(0, []))} will not (its input does not "
-                f"require grad, or grad is off there); the ranks would wait for each other "
-                f"in the backward")
+        return (f"autograd differs by rank: {_named(grads.get(1, []))} will run this "
+                f"call's backward, {_named(grads.get(0, []))} will not (it calls the bridge "
+                f"under torch.no_grad()); the ranks would wait for each other in the "
+                f"backward")
     batches = _ranks_by(rows, ranks, state + 4)
     if len(batches) > 1:
         ordered = sorted(batches.values(), key=lambda g: (-len(g), g[0]))

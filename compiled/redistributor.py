@@ -158,9 +158,9 @@ class Redistributor:
     def _agree(self) -> None:
         """A bridge that creates groups is built alike on every rank of its grids: agree
         on its whole definition first (see :mod:`.agree`)."""
-        self._place, self._decided = "", cast(bool | None, None)  # (see frozen)
+        self._decided = cast(bool | None, None)  # (see frozen)
         if self.involved and len(self.union) > 1:
-            self._place = agree(self.name, self._definition(), "mimo_fx", self.union)
+            agree(self.name, self._definition(), "mimo_fx", self.union)
 
     def _require_compiler(self) -> None:
         """The compiler settings this bridge's traced calls need."""
@@ -307,6 +307,9 @@ class Redistributor:
 
     def _call(self, x: torch.Tensor | None, sizes, dim_sizes,
               layouts: dict, post: bool = False) -> Any:
+        # first, before anything that waits for peers (a size gather), in every mode alike
+        # (its first call's ranks may meet: see frozen)
+        grad = self._backward_runs(x)
         full, learned = self._sizes(x, sizes, dim_sizes, layouts)
         if self.executor.count and not torch.compiler.is_compiling():
             self._last_sizes = full
@@ -321,7 +324,6 @@ class Redistributor:
         print_ = None  # what checked mode compares: with the sizes if free
         if self.free and self.checked and not torch.compiler.is_compiling():
             print_ = fingerprint("src", *self.guard.key, _size_key(full))
-        grad = self._backward_runs(x)
         if not self.guard(x, "src", shape, full, print_, grad, digest):
             # (compiled, checked: the check raises on every rank when the graph runs)
             return self._no_src.new_zeros((0,) * len(self.dst.local_dims))
@@ -362,13 +364,14 @@ class Redistributor:
         # (a rank holding no piece may pass an empty tensor that requires grad: a torch.func
         # transform's anchor)
         wants = grad and holds and isinstance(x, torch.Tensor) and x.requires_grad
-        if not grad and not holds:
-            return False  # (the call's peers run under no_grad too)
-        if not self._frozen(wants):  # (a source rank decides at its first call, always)
+        frozen = self._frozen("g" if wants else "n" if grad else "x")
+        if frozen is None:
+            return False  # (no rank of the call runs under autograd)
+        if not frozen:
             return grad
         if wants:
             how = ("it was built with frozen=True" if self.options.frozen else
-                   "no source rank's input required grad at its first call")
+                   "no source rank's input required grad at its first call under autograd")
             raise_now(self._context() + f"rank {self.rank}'s input requires grad, but this "
                       f"bridge's source is frozen ({how}): its backward moves nothing, and "
                       f"this gradient would be lost. Pass x.detach() to keep the source "
@@ -379,43 +382,67 @@ class Redistributor:
     def frozen(self) -> bool | None:
         """Whether the bridge's source is frozen: its backward moves nothing on any rank
         and no rank's result requires grad. ``frozen=`` when it was built; otherwise
-        decided by its first call (None until then): frozen if no rank holding a source
-        piece passed a tensor that requires grad under autograd (posted once through the
-        store by the source ranks, read by every rank of both grids; under
-        ``torch.compile`` while the first call is traced). A later source tensor that
-        requires grad is then an error; one that needs none, on a bridge that is not
-        frozen, takes part in the backward all the same."""
+        decided by its first call under autograd on any of its ranks (None until then):
+        frozen if no rank holding a source piece passed a tensor that requires grad. Until
+        it is decided (calls under ``torch.no_grad()`` everywhere, an evaluation say),
+        each call's ranks say through the store whether they run under autograd and
+        whether their source tensor requires grad (under ``torch.compile`` while a call
+        is traced). A later source tensor that requires grad is then an error; one that
+        needs none, on a bridge that is not frozen, takes part in the backward all the
+        same."""
         return self.options.frozen if self.options.frozen is not None else self._decided
 
-    def _frozen(self, wants: bool) -> bool:
-        """:meth:`frozen`, deciding it at this, the first, call (``wants``: whether this
-        rank's input requires grad)."""
+    def _frozen(self, state: str) -> bool | None:
+        """:meth:`frozen`, deciding it at this call if it is not decided yet (``state``:
+        this rank's, ``g`` its source tensor requires grad, ``n`` it runs under autograd,
+        ``x`` under ``no_grad``); None while no rank has run a call under autograd."""
         if self.options.frozen is not None:
             return self.options.frozen
         if torch.compiler.is_compiling():
             from torch._dynamo.comptime import comptime
 
-            name = self.name  # noqa: F841 (read by _decide_traced, with wants)
+            name = self.name  # noqa: F841 (read by _decide_traced, with state)
             comptime(_decide_traced)
             # (read only after the decision: Dynamo keeps the value it read first)
-            return bool(self._decided)
+            return self._decided
         if self._decided is None:
-            self._decide(wants)
-        return bool(self._decided)
+            self._decide(state)
+        return self._decided
 
-    def _decide(self, wants: bool) -> None:
-        """Whether the source is frozen, decided by every rank of both grids from what
-        the source ranks' first calls post (see :meth:`frozen`)."""
-        from .agree import posted_once
+    def _decide(self, state: str) -> None:
+        """Every rank's ``state`` of this call (see :meth:`_frozen`), through the store:
+        the bridge is frozen if some rank runs under autograd and no source rank's
+        tensor requires grad."""
+        states = [state] if len(self.union) == 1 else self._meet(state)
+        if any(s != "x" for s in states):
+            self._decided = "g" not in states
 
-        holders = tuple(r for r in self.union if self.src.holds(r))
-        mine = ("1" if wants else "0") if self.src.holds(self.rank) else None
-        if len(self.union) == 1:
-            values = [mine or "0"]
-        else:
-            values = posted_once(self._place, "frozen", self.union, holders, mine,
-                                 self.described)
-        self._decided = "1" not in values
+    def _meet(self, state: str) -> list[str]:
+        """Every rank's ``state``: one small all-gather over the bridge's check group,
+        which the bridges of the same grids share (ranks that call two of them in other
+        orders meet there, and their rows name the bridge: an error on every rank). A
+        rank that left is named, as in any collective; the one host sync of it (reading
+        the rows) is this call's, until the bridge is decided."""
+        from mimo_fx.collective import Collective
+
+        n = timeouts.calls(self.name, "forward") + 1
+        row = torch.tensor([fingerprint("meet", self.name), "xng".index(state)],
+                           dtype=torch.int64, device=self.device)
+        # (a failed wait is the standard error of this call's forward, its peer named)
+        out = self.lease.comm(CHECK).collective(
+            Collective.ALL_GATHER, row, self.union,
+            site=timeouts.site(self.name, "forward", -1, self.union))
+        rows = out.view(len(self.union), 2).tolist()
+        calls: dict[int, list[int]] = {}
+        for r, (f, _) in zip(self.union, rows):
+            calls.setdefault(f, []).append(r)
+        if len(calls) > 1:
+            groups = sorted(calls.values(), key=lambda g: (-len(g), g))
+            raise MimoFxError(
+                self._context() + f"the ranks called different bridges at call {n}: one on "
+                + ", another on ".join(map(_named, groups)) + "; every rank of both grids "
+                "calls its bridges in the same order")
+        return ["xng"[code] for _, code in rows]
 
     def _keep(self, y: torch.Tensor) -> torch.Tensor:
         if not (self.source_only and y.requires_grad):
@@ -680,10 +707,19 @@ class _Joined(torch.autograd.Function):
 
 def _decide_traced(ctx) -> None:
     """While a compiled call is traced, at trace time: decide whether its bridge's source
-    is frozen (:meth:`Redistributor._frozen`; the frame's ``name`` and ``wants``)."""
+    is frozen (:meth:`Redistributor._frozen`; the frame's ``name`` and ``state``)."""
+    from .guard import TracedError
+
     bridge = live.named(ctx.get_local("name").as_python_constant())
     if bridge._decided is None:
-        bridge._decide(bool(ctx.get_local("wants").as_python_constant()))
+        try:
+            bridge._decide(ctx.get_local("state").as_python_constant())
+        except MimoFxError as err:  # (as a user error of the trace, not Dynamo's own)
+            raise TracedError(str(err)) from None
+
+
+def _named(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 def _message_prefix(src, dst, checked: bool) -> str:

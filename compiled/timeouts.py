@@ -137,8 +137,8 @@ def failed(site_: str, kind, err: BaseException, peer: int | None = None) -> Mim
     why = ("a rank of the group left" + ("" if peer is None else f": rank {peer}") +
            " (it raised, or its process ended: its own error says why)" if gone else
            "a rank skipped this call or the backward of an earlier one, or called another "
-           "bridge first, or left; or requires_grad differs by rank (a rank whose input "
-           "does not require grad runs no backward)" +
+           "bridge first, or left; or a rank called it under torch.no_grad() while the "
+           "others ran it under autograd (that rank runs no backward)" +
            ("" if peer is None else f"; this rank waited for rank {peer}'s message"))
     forward, backward = calls(name, "forward"), calls(name, "backward")
     # (this rank's own state: its peer gone or not)

@@ -39,12 +39,13 @@ from .explain import draw_png, explain, rank_table
 from .grid import Grid
 from .layout import Layout
 from .packed import PackedLayout
-from .plan import plan
+from .plan import backward_plan, plan
 from .regions import Size
 
 __all__ = ["main", "rank_table"]
 
 AUTO = "auto"
+SAMPLE_ZIGZAG = {"dst": "cp"}  # the sample bridge's zigzag (see _sample_zigzag)
 
 
 def _pairs(text: str, what: str) -> dict[str, int]:
@@ -135,8 +136,18 @@ def _layout(args, side: str, sizes: dict[str, Size]) -> Layout | PackedLayout:
         return _packed_layout(args, side, grid, pattern)
     at = _pairs(opts["at"] or "", f"--{side}-at") or None
     return Layout(grid, pattern, partial=_names(opts["partial"]), at=at,
-                  zigzag=_zigzag(opts["zigzag"], grid, pattern),
+                  zigzag=_zigzag(_sample_zigzag(args, side, opts["zigzag"]), grid, pattern),
                   ragged=_names(opts["ragged"]))
+
+
+def _sample_zigzag(args, side: str, zigzag: str | None) -> str | None:
+    """``--{side}-zigzag``, or, for the sample bridge's side (neither its pattern nor its
+    grid given), the sample's zigzag: a layout given on the command line zigzags only
+    when told, as ``Layout`` does."""
+    given: set[str] = getattr(args, "given", set())
+    if zigzag is None and not {side, f"{side}_grid"} & given:
+        return SAMPLE_ZIGZAG.get(side)
+    return zigzag
 
 
 def _packed_layout(args, side: str, grid: Grid, pattern: str) -> PackedLayout:
@@ -260,8 +271,10 @@ def _add_side(p: argparse.ArgumentParser, side: str, grid: str, pattern: str,
     add("partial", help=f"comma-separated partial axes of {side}")
     add("at", help=f"pin {side} to a slice of its grid, e.g. pp={-1 if side == 'src' else 0}")
     add("zigzag", default=zigzag,
-        help=f"zigzag axes of {side} ('none' for none); '{AUTO}': cp when {side} cuts a dim "
-             f"over cp (a packed {side}: when its grid has cp)")
+        help=f"zigzag axes of {side} ('none' for none, as a Layout has by default; the "
+             f"sample bridge, with neither --{side} nor --{side}-grid given, zigzags "
+             f"{SAMPLE_ZIGZAG.get(side) or 'nothing'}); '{AUTO}': cp when {side} cuts a "
+             f"dim over cp (a packed {side}: when its grid has cp)")
     add("ragged", metavar="AXES",
         help=f"axes cutting a dim of {side} into shards of given counts (e.g. dp); the dim's "
              f"--sizes are its counts, e.g. t=3:0:5:2")
@@ -282,7 +295,7 @@ def _add_side(p: argparse.ArgumentParser, side: str, grid: str, pattern: str,
 
 def _add_layout_options(p: argparse.ArgumentParser) -> None:
     _add_side(p, "src", "tp=2,dp=4", "(dp b) s h", None)
-    _add_side(p, "dst", "tp=2,cp=2,dp=2", "(dp b) (cp s) h", AUTO)
+    _add_side(p, "dst", "tp=2,cp=2,dp=2", "(dp b) (cp s) h", None)
     p.add_argument("--sizes", default="b=8,s=4096,h=4096",
                    help="global dim sizes; a ragged dim's counts separated by ':' (t=3:0:5)")
     p.add_argument("--dtype", default="bfloat16", help="torch dtype name")
@@ -315,7 +328,8 @@ def _plan(args):
     sizes = _sizes(args.sizes)
     src, dst = _layout(args, "src", sizes), _layout(args, "dst", sizes)
     _check_sizes(sizes, src, dst)
-    return plan(src, dst, sizes, dtype)  # type: ignore[arg-type]
+    return (plan(src, dst, sizes, dtype),  # type: ignore[arg-type]
+            backward_plan(src, dst, sizes, dtype))  # type: ignore[arg-type]
 
 
 def _print_meshes(args, p) -> None:
@@ -333,10 +347,10 @@ def _print_meshes(args, p) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        p = _plan(args)
+        p, back = _plan(args)
         _print_meshes(args, p)
         if args.command == "explain":
-            print(explain(p), end="")
+            print(explain(p, back), end="")
             if args.png:
                 draw_png(p, args.png)
                 print(f"\nwrote {args.png}")
@@ -347,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     print(p)
     print()
     print(rank_table(p))
+    print()
+    print("backward (gradients from dst back to src):")
+    print(back)
     return 0
 
 

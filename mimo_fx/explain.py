@@ -178,8 +178,10 @@ def _summary(p: Plan) -> str:
             f"{format_bytes(p.max_sent, 2)}/rank; total {format_bytes(p.total_bytes, 2)}{extra}")
 
 
-def explain(p: Plan) -> str:
-    """A readable account of ``p``: steps, holdings, transfer matrix, transfers, bytes."""
+def explain(p: Plan, backward: Plan | None = None) -> str:
+    """A readable account of ``p``: steps, holdings, transfer matrix, transfers, bytes;
+    and of its ``backward`` (:func:`~mimo_fx.plan.backward_plan`), where given: its steps,
+    collectives, bytes and transfer matrix."""
     account = _Account(p)
     sections = [
         str(p),
@@ -190,6 +192,15 @@ def explain(p: Plan) -> str:
         account.transfers(),
         "bytes per rank:\n" + rank_table(p),
     ]
+    if backward is not None:
+        back = _Account(backward)
+        sections += [
+            "the backward: gradients from dst back to src (the adjoint plan)\n"
+            + str(backward),
+            back.collectives(),
+            _summary(backward),
+            _matrix_text(backward, back.matrix()),
+        ]
     return "\n\n".join(s for s in sections if s) + "\n"
 
 

@@ -365,9 +365,12 @@ class Exchange(Step):
     def describe(self, plan: Plan) -> str:
         pairs = sorted({(t.src, t.dst) for t in self.transfers})
         shown = ", ".join(f"{s}->{d}" for s, d in pairs[:8])
-        more = f", ... ({len(pairs)} pairs)" if len(pairs) > 8 else ""
+        more = ", ..." if len(pairs) > 8 else ""
+        n = len(self.transfers)
+        counted = (f"{n} transfer{'s' if n != 1 else ''}" if n == len(pairs) else
+                   f"{n} transfers between {len(pairs)} pairs of ranks")
         return (f"{self.kind.value} as messages in {_fmt_groups(self.parties)} of "
-                f"{len(self.ranks)} ranks, {len(self.transfers)} transfers: {shown}{more}")
+                f"{len(self.ranks)} ranks, {counted}: {shown}{more}")
 
     def summary(self) -> str:
         return (f"{self.kind.value} as messages in {len(self.parties)} group(s) of "

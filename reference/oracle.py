@@ -86,7 +86,8 @@ def _counts(dim: str, c) -> tuple[int, ...]:
         out = ()
     if not out or any(n < 0 for n in out) or any(isinstance(n, bool) for n in c):
         raise MimoFxError(f"shard: counts {dim}={c!r} must be a non-empty tuple of "
-                          f"non-negative integers (one per ragged shard, or per sample)")
+                          f"non-negative integers (one per ragged shard, or per sample); "
+                          f"a dim cut evenly needs no size: x's shape gives it")
     return out
 
 
@@ -129,6 +130,12 @@ def shard(x: torch.Tensor, layout: Layout, *, rank: int | None = None,
         if dim not in sizes:
             raise MimoFxError(f"shard: counts {dim}={c!r} name no dim of {layout.pattern!r} "
                               f"(dims: {', '.join(layout.dims)})")
+        if isinstance(c, int) and not isinstance(c, bool) and dim not in layout.ragged_dims:
+            if c != sizes[dim]:  # (a plain size of a dim cut evenly: x's own, checked)
+                raise MimoFxError(f"shard: {dim}={c} but x has size {sizes[dim]} along "
+                                  f"{dim!r} (x's shape gives {layout.describe()!r} its sizes; "
+                                  f"drop {dim}=)")
+            continue
         cs = _counts(dim, c)
         if sum(cs) != sizes[dim]:
             raise MimoFxError(f"shard: counts {dim}={cs!r} must sum to its size {sizes[dim]} "

@@ -58,6 +58,45 @@ def test_dst_zigzag_defaults_to_cp_only_where_dst_cuts_over_cp(capsys):
     assert "(dp b) (cp s) h on Grid(tp=2, cp=2, dp=2)" in out and "zigzag" not in out
 
 
+def test_a_given_layout_zigzags_only_when_told_as_a_layout_does(capsys):
+    """Before, --dst-zigzag defaulted to 'auto', so '(cp t) h' silently became zigzag
+    (unlike Layout); only the sample bridge (no --dst, no --dst-grid) zigzags now."""
+    ragged = ["--src-grid", "dp=2", "--src", "(dp t) h", "--src-ragged", "dp",
+              "--sizes", "t=30:18,h=4"]
+    for dst in (["--dst-grid", "cp=2,offset=2", "--dst", "(cp t) h"],
+                ["--dst-grid", "cp=2,offset=2"]):
+        args = ragged + dst + (["--dst", "(cp t) h"] if "--dst" not in dst else [])
+        assert main(["plan", *args]) == 0
+        assert "zigzag" not in capsys.readouterr().out, args
+    assert main(["plan", "--dst", "(dp b) (cp s) h"]) == 0
+    assert "zigzag" not in capsys.readouterr().out
+    assert main(["plan", "--dst-grid", "cp=2,offset=2", "--dst", "(cp t) h", "--dst-zigzag",
+                 "cp", *ragged[:6], "--sizes", "t=32:16,h=4"]) == 0
+    assert "(cp t) h [zigzag cp]" in capsys.readouterr().out
+
+
+def test_an_exchange_counts_transfers_and_pairs_apart(capsys):
+    """Before: "4 transfers: 0->1, 0->2" (two pairs)."""
+    assert main(["plan", "--src-grid", "dp=1", "--src", "t h", "--dst-grid", "cp=2,offset=1",
+                 "--dst", "(cp t) h", "--dst-zigzag", "cp", "--sizes", "t=8,h=4"]) == 0
+    assert "4 transfers between 2 pairs of ranks: 0->1, 0->2" in capsys.readouterr().out
+
+
+def test_plan_and_explain_show_the_backward(capsys):
+    args = ["--src-grid", "dp=2", "--src", "(dp t) h", "--src-ragged", "dp", "--dst-grid",
+            "cp=2,offset=2", "--dst", "(cp t) h", "--sizes", "t=30:18,h=4"]
+    assert main(["plan", *args]) == 0
+    out = capsys.readouterr().out
+    back = out.split("backward (gradients from dst back to src):")[1]
+    assert "plan (cp t) h on Grid(cp=2, offset=2)\n  -> (dp t) h [ragged dp]" in back
+    assert "2->0, 3->0, 3->1" in back
+    assert main(["explain", *args]) == 0
+    out = capsys.readouterr().out
+    back = out.split("the backward: gradients from dst back to src (the adjoint plan)")[1]
+    assert "collectives: all_to_all as messages" in back and "transfer matrix" in back
+    assert "max received 240 B/rank vs lower bound 240 B" in back
+
+
 def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--help"])

@@ -26,7 +26,10 @@ def _run_case(rank: int, case: Case, device: str = "cpu") -> str | None:
     from mimo_fx.compiled import Redistributor, trace
 
     x, g = oracle_data(case, 0)
-    bridge = Redistributor(case.src, case.dst, case.sizes, torch.float64, device=device)
+    # (frozen=False: its backward always runs, so no call meets to decide it; the
+    # collectives counted are the plan's)
+    bridge = Redistributor(case.src, case.dst, case.sizes, torch.float64, device=device,
+                           frozen=False)
     try:
         local = shard(x, case.src).get(rank)
         if local is not None:

@@ -108,7 +108,8 @@ def test_explain_prints_the_sample_matrix_and_bound(capsys):
 
 def test_explain_lists_transfers_of_an_all_to_all(capsys):
     args = ["explain", "--src-grid", "tp=2,pp=2,dp=2", "--src-at", "pp=-1",
-            "--dst-grid", "tp=2,cp=2,dp=2,offset=8", "--sizes", "b=8,s=64,h=32"]
+            "--dst-grid", "tp=2,cp=2,dp=2,offset=8", "--dst-zigzag", "cp",
+            "--sizes", "b=8,s=64,h=32"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "transfers of step 1 (sender -> receiver: elements, bytes, region):" in out

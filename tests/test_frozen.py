@@ -222,6 +222,30 @@ def _frozen_false(rank: int) -> dict:
     return out
 
 
+def _evaluation_first(rank: int) -> dict:
+    """Calls under no_grad on every rank (an evaluation) decide nothing; the first call
+    under autograd, with a source that requires grad, finds the bridge not frozen."""
+    import mimo_fx
+    from mimo_fx.compiled import Redistributor, timeouts
+
+    bridge = Redistributor(SRC, DST, SIZES)
+    x = shard(_full(), SRC).get(rank)
+    with torch.no_grad():
+        bridge(x)
+        bridge(x)
+    before = bridge.frozen()
+    leaf = None if x is None else x.clone().requires_grad_()
+    y = bridge(leaf)
+    if rank in LAYER.ranks:
+        y.sum().backward()
+    mimo_fx.backward()
+    out = {"before": before, "after": bridge.frozen(),
+           "backward_calls": timeouts.calls(bridge.name, "backward"),
+           "grad": None if leaf is None else leaf.grad.tolist()}
+    bridge.destroy()
+    return out
+
+
 def _world(rank: int, world: int) -> dict:
     example = _example()
     out = {"example": example.train(rank, world, 3, "inductor")}
@@ -231,6 +255,7 @@ def _world(rank: int, world: int) -> dict:
     out["pipeline"] = _pipeline(rank)
     out["mistakes"] = _mistakes(rank)
     out["frozen_false"] = _frozen_false(rank)
+    out["evaluation_first"] = _evaluation_first(rank)
     return out
 
 
@@ -262,8 +287,10 @@ def test_frozen_true_creates_no_backward_groups_and_every_collective_is_forward(
         natural_groups = r["example"][4]
         assert counts == (2, 0) and frozen is True, (rank, r["example_frozen_true"])
         assert groups == natural_groups - 1, (rank, groups, natural_groups)  # (no < group)
-        # the natural program's collectives, counted by the records: 2 steps, 2 forwards
-        assert r["example_trace"] == ["all_reduce"] * 3 + ["all_to_all"] * 2, \
+        # the natural program's collectives, counted by the records: each group's first
+        # operation when it is built, the first call's meeting (it decides the bridge is
+        # frozen), then 2 steps of forwards and no backward
+        assert r["example_trace"] == ["all_reduce"] * 3 + ["all_gather"] + ["all_to_all"] * 2, \
             (rank, r["example_trace"])
 
 
@@ -318,6 +345,18 @@ def test_frozen_false_runs_the_backward_on_every_rank(results):
         assert f["backward_calls"] == 1, (rank, f)
         if rank >= 2:
             assert f["grad"] == shard(_full(), DST)[rank].tolist(), (rank, f)
+
+
+@pytest.mark.slow
+def test_calls_under_no_grad_everywhere_decide_nothing(results):
+    """Before, a first call under no_grad (an evaluation) froze the bridge, and the first
+    training call then raised."""
+    for rank, r in enumerate(results):
+        e = r["evaluation_first"]
+        assert e["before"] is None and e["after"] is False, (rank, e)
+        assert e["backward_calls"] == 1, (rank, e)
+        if rank < 2:  # d sum(y) / dx: ones
+            assert e["grad"] == [[1.0] * 6] * 2, (rank, e)
 
 
 def test_reference_backend_frozen():

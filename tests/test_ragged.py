@@ -125,6 +125,17 @@ def test_oracle_needs_counts_that_sum_to_the_size():
         shard(torch.arange(4), layout, t=(1, 2))
 
 
+def test_oracle_takes_a_plain_size_of_a_dim_cut_evenly():
+    """Before: shard(x, "(cp t) h", t=48) said "counts t=48 must be a non-empty tuple"."""
+    even = Layout(Grid(cp=2), "(cp t) h")
+    x = torch.arange(96.0).reshape(48, 2)
+    assert torch.equal(shard(x, even, t=48)[1], x[24:])
+    with pytest.raises(MimoFxError, match=r"t=40 but x has size 48 along 't'.*drop t="):
+        shard(x, even, t=40)
+    with pytest.raises(MimoFxError, match="a dim cut evenly needs no size"):
+        shard(x, Layout(Grid(cp=2), "(cp t) h", ragged="cp"), t=48)
+
+
 def test_describe_and_repr_keep_the_ragged_axes():
     layout = Layout(Grid(tp=2, dp=2), "(dp t) h", ragged="dp")
     assert layout.describe() == "(dp t) h [ragged dp]"

@@ -103,5 +103,6 @@ if __name__ == "__main__":
         for rank, loss in zip((2, 3), ranks):
             assert torch.allclose(results[rank][0][k], loss, rtol=1e-5), (k, rank)
     assert torch.allclose(torch.cat([results[2][1], results[3][1]]), w, rtol=1e-5)
-    print("losses and the trained weight equal the undistributed model's; per rank "
-          "(forward, backward) transfers:", [r[2] for r in results])
+    assert all(r[2] == (3, 0) for r in results), [r[2] for r in results]
+    print("checked against the undistributed model: every loss and the trained weight; "
+          "per rank (forward, backward) transfers:", [r[2] for r in results])
