@@ -37,7 +37,7 @@ from torch.distributed import DistError
 from mimo_fx.errors import MimoFxError
 
 from .groups import POOL
-from .timeouts import cause, timeout_seconds, wait_time
+from .timeouts import cause, timeout_seconds, wait_time, waiting
 
 __all__ = ["agree", "PREFIX"]
 
@@ -84,7 +84,7 @@ def _agree(name: str, fields: Mapping[str, str], what: str, ranks: tuple[int, ..
     if store.add(f"{base}/count", 1) == n:
         state_now = store.compare_set(state, "", "done").decode()
     else:
-        state_now = _wait(store, state, rank)
+        state_now = _wait(store, state, rank, name, keys, ranks)
     if state_now != "done":  # given up (by this rank at its deadline, or by a peer)
         # every rank that sees it closed moves the next build to a fresh round (before
         # it raises: a rank that skipped this build, or is late, meets it there)
@@ -99,7 +99,7 @@ def _agree(name: str, fields: Mapping[str, str], what: str, ranks: tuple[int, ..
 def _gave_up(store, keys: list[str], name: str, what: str, ranks: tuple[int, ...]) -> NoReturn:
     """Raise the error of an agreement given up: who never posted, or this rank late."""
     rank = dist.get_rank()
-    missing = [r for r, key in zip(ranks, keys) if not store.check([key])]
+    missing = _missing(store, keys, ranks)
     if missing:
         raise MimoFxError(
             f"{what}: {_ranks(missing)} did not build bridge {name!r} within "
@@ -154,17 +154,24 @@ def _read(store, base: str, keys: list[str], state: str, rounds: str, ranks: tup
             store.delete_key(key)
 
 
-def _wait(store, state: str, rank: int) -> str:
+def _wait(store, state: str, rank: int, name: str, keys: list[str],
+          ranks: tuple[int, ...]) -> str:
     """Wait for the agreement's state: ``done``, or closed (by this rank at the deadline,
     atomically: a last rank completing it at that moment wins)."""
     deadline = time.monotonic() + timeout_seconds()
     pause = 0.0005
-    while time.monotonic() < deadline:
-        if store.check([state]):
-            return store.get(state).decode()
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
+    with waiting(lambda: f"its peers to build bridge {name!r} (the agreement on its "
+                         f"definition; ranks that have not: {_missing(store, keys, ranks)})"):
+        while time.monotonic() < deadline:
+            if store.check([state]):
+                return store.get(state).decode()
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
     return store.compare_set(state, "", f"closed by {rank}").decode()
+
+
+def _missing(store, keys: list[str], ranks: tuple[int, ...]) -> list[int]:
+    return [r for r, key in zip(ranks, keys) if not store.check([key])]
 
 
 def _differences(records: list[dict], ranks: tuple[int, ...]) -> list[tuple[str, str]]:

@@ -163,7 +163,8 @@ def _comm_op(kind: Collective, params: str, run, fake, args, compute,
         def guarded(*args):
             *rest, site = args
             try:
-                out = run(*rest, site=site)
+                with timeouts.waiting(lambda: timeouts.described(site, kind)):
+                    out = run(*rest, site=site)
             except RuntimeError as err:
                 raise timeouts.failed(site, kind, err) from None
             if isinstance(out, tuple):  # posted messages: waited by wait_tensor
@@ -322,6 +323,19 @@ def _posted(post, t: torch.Tensor, j: int, members: tuple[int, ...]):
 def wait_all(works: list, site: str, kind: Collective | None) -> None:
     """Wait for ``works``; a failed wait raised as :mod:`.timeouts` words it, naming
     the rank at the other end of the failed message where known."""
+    if not works:
+        return
+    peers = MESSAGES.peers
+
+    def pending() -> list[int]:
+        return sorted({peers[id(w)] for w in works if id(w) in peers
+                       and not w.is_completed()})
+
+    with timeouts.waiting(lambda: timeouts.described(site, kind, pending)):
+        _wait_each(works, site, kind)
+
+
+def _wait_each(works: list, site: str, kind: Collective | None) -> None:
     peers = MESSAGES.peers
     for work in works:
         try:

@@ -56,6 +56,7 @@ from mimo_fx.errors import MimoFxError
 from mimo_fx.grid import mesh_groups
 
 from .comm import forget
+from .timeouts import waiting
 
 __all__ = ["acquire", "release", "group_name", "process_group", "live_groups", "world_token",
            "check_world", "CHECK", "created", "reused", "settle", "data_device"]
@@ -281,11 +282,13 @@ def _create(ranks: Ranks, tag: str, what: str):
         # not split from the world's communicator (a collective of every rank): the
         # members create it, and join its first operation (_join)
         world.bound_device_id = None
-        pg, _ = c10d._new_process_group_helper(
-            len(ranks), ranks.index(rank), list(ranks), c10d.get_backend(world),
-            c10d._get_default_store(), _name(tag, ranks),  # type: ignore[arg-type]
-            timeout=_timeout(tag),
-            group_desc=f"mimo_fx {tag or 'data'} group")
+        with waiting(lambda: f"the members of process group {list(ranks)} to set it up "
+                             f"({what})"):
+            pg, _ = c10d._new_process_group_helper(
+                len(ranks), ranks.index(rank), list(ranks), c10d.get_backend(world),
+                c10d._get_default_store(), _name(tag, ranks),  # type: ignore[arg-type]
+                timeout=_timeout(tag),
+                group_desc=f"mimo_fx {tag or 'data'} group")
     except RuntimeError as err:  # (gloo: DistStoreError, DistNetworkError)
         raise MimoFxError(
             f"{what}: rank {rank} could not set up the process group of ranks "
@@ -305,7 +308,9 @@ def _join(pg, ranks: Ranks, what: str, device: torch.device) -> None:
     from .timeouts import cause, wait_time
 
     try:
-        dist.all_reduce(torch.zeros(1, device=device), group=pg)
+        with waiting(lambda: f"the members of process group {list(ranks)} at its first "
+                             f"operation ({what})"):
+            dist.all_reduce(torch.zeros(1, device=device), group=pg)
     except RuntimeError as err:
         raise MimoFxError(
             f"{what}: rank {dist.get_rank()} waited in vain for the members of process "

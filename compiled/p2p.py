@@ -32,6 +32,7 @@ import torch.distributed as dist
 from mimo_fx.plan import Collective
 
 from .comm import OPS, Comm
+from .timeouts import waiting
 
 __all__ = ["Channel", "Gathered", "Routed", "DATA", "SIZES", "CHECKS"]
 
@@ -135,8 +136,10 @@ class Channel(Comm):
             if n:
                 recvs.append((peer, out[at:at + n]))
             at += n
-        for work in self.exchange(sends, recvs):
-            work.wait()
+        with waiting(lambda: f"ranks {sorted({p for p, _ in recvs})}'s messages on a "
+                             f"pipelined bridge's channel"):
+            for work in self.exchange(sends, recvs):
+                work.wait()
         return out
 
     def all_gather(self, flat: torch.Tensor, ranks: Ranks, tag: int = DATA) -> torch.Tensor:
@@ -161,10 +164,12 @@ class Gathered:
     def wait(self, peers: Ranks | None = None) -> torch.Tensor:
         """Wait for the rows of ``peers`` (default: all); returns every row (rows not
         waited for are not there yet)."""
-        for peer in self.ranks if peers is None else peers:
-            work = self.works.pop(peer, None)
-            if work is not None:
-                work.wait()
+        with waiting(lambda: f"the rows of ranks {sorted(self.works)} on a pipelined "
+                             f"bridge's channel"):
+            for peer in self.ranks if peers is None else peers:
+                work = self.works.pop(peer, None)
+                if work is not None:
+                    work.wait()
         return self.out
 
     def done(self) -> bool:

@@ -14,14 +14,18 @@ True
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
+from collections.abc import Callable
 
 from mimo_fx.errors import MimoFxError
 
 from .live import find
 
 __all__ = ["timeout_seconds", "wait_time", "cause", "ENV", "DEFAULT", "site", "ran",
-           "failed", "calls"]
+           "failed", "calls", "waiting", "NOTICE_ENV"]
 
 ENV = "MIMO_FX_TIMEOUT"
 LEGACY = "MIMO_FX_CHECK_TIMEOUT"  # the name of the check groups' timeout before it
@@ -154,3 +158,104 @@ def failed(site_: str, kind, err: BaseException, peer: int | None = None) -> Mim
         f"{forward} forward and {backward} backward calls of "
         f"this bridge; every rank of both grids runs every call and its backward "
         f"({wait_time()})")
+
+
+# -- a wait that lasts: said once, long before the timeout ---------------------------------
+# A rank that waits for its peers more than a few seconds says once, on the "mimo_fx"
+# logger (a warning: one line on stderr without a handler, as under torchrun), what it
+# waits for: the bridge, the call and the ranks. One daemon thread looks at the wait
+# under way every second; a wait only sets and clears a slot (no thread per wait).
+NOTICE_ENV = "MIMO_FX_WAIT_NOTICE"  # seconds before a wait is said (default 5)
+LOG = logging.getLogger("mimo_fx")
+
+
+class _Watch:
+    """The wait under way on this process's main path (at most one at a time: waits do
+    not nest), and the thread that says it once it has lasted."""
+
+    def __init__(self) -> None:
+        self.slot: tuple[int, float, Callable[[], str]] | None = None
+        self.count = 0
+        self.said = -1
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        with self.lock:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, daemon=True,
+                                               name="mimo_fx wait notice")
+                self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(1.0)
+            slot = self.slot
+            if slot is None or slot[0] == self.said:
+                continue
+            number, since, describe = slot
+            waited = time.monotonic() - since
+            if waited >= notice_seconds():
+                self.said = number
+                try:
+                    what = describe()
+                except Exception:  # noqa: BLE001 (a description is best effort)
+                    what = "its peers"
+                LOG.warning("mimo_fx: rank %s has waited %.0f s for %s; it gives up after %s",
+                            _rank(), waited, what, wait_time())
+
+
+WATCH = _Watch()
+
+
+def notice_seconds() -> float:
+    """After how long a wait is said (``MIMO_FX_WAIT_NOTICE``, default 5 s, at most half
+    the timeout)."""
+    try:
+        seconds = float(os.environ.get(NOTICE_ENV, "5"))
+    except ValueError:
+        seconds = 5.0
+    return min(seconds, timeout_seconds() / 2)
+
+
+def _rank() -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_rank()) if dist.is_initialized() else "?"
+
+
+class waiting:
+    """``with waiting(describe):`` marks a wait for peers, said once if it lasts
+    (``describe()``: what for, called only then, on the watching thread). A class, not
+    a generator: it is on every collective's path."""
+
+    __slots__ = ("describe", "outer")
+
+    def __init__(self, describe: Callable[[], str]) -> None:
+        self.describe = describe
+
+    def __enter__(self) -> None:
+        if WATCH.thread is None:
+            WATCH.start()
+        WATCH.count += 1
+        self.outer, WATCH.slot = WATCH.slot, (WATCH.count, time.monotonic(), self.describe)
+
+    def __exit__(self, *exc) -> None:
+        WATCH.slot = self.outer
+
+
+def described(site_: str, kind, peers: Callable[[], list[int]] | None = None) -> str:
+    """What a collective of ``site_`` waits for, as the notice says it."""
+    who = ""
+    if peers is not None:
+        pending = peers()
+        if pending:
+            who = f" rank {pending[0]}" if len(pending) == 1 else f" ranks {pending}"
+    if not site_:
+        return f"a mimo_fx {getattr(kind, 'value', kind)}" + (f" ({who.strip()})" if who else "")
+    name, direction, _, ranks = site_.rsplit("|", 3)
+    bridge = _bridge(site_)
+    n = (0 if bridge is None else bridge.ran[site_]) + 1
+    what = name if bridge is None else bridge.described
+    return (f"{who.strip() or 'its peers'} in the {direction} of call {n} of {what} "
+            f"({getattr(kind, 'value', kind)} over ranks {ranks})")

@@ -53,3 +53,53 @@ def test_version_is_the_installed_distributions():
     from importlib.metadata import version
 
     assert mimo_fx.__version__ == version("mimo-fx")
+
+
+def _waits(rank: int, world: int) -> list[str]:
+    """Rank 3 comes 4 s late to a bridge's first call, and rank 2 to its build: what the
+    others say while they wait (``MIMO_FX_WAIT_NOTICE=1``)."""
+    import os
+    import time
+
+    import torch
+
+    from mimo_fx.compiled import Redistributor
+    from mimo_fx.compiled.timeouts import LOG
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    os.environ["MIMO_FX_WAIT_NOTICE"] = "1"
+    keep = Keep()
+    LOG.addHandler(keep)
+    try:
+        if rank == 2:
+            time.sleep(4)
+        bridge = Redistributor(Layout(Grid(dp=2), "(dp b) h"),
+                               Layout(Grid(tp=2, offset=2), "b (tp h)"), {"b": 4, "h": 4},
+                               frozen=False)
+        if rank == 3:
+            time.sleep(4)
+        bridge(torch.ones(2, 4) if rank < 2 else None)
+        bridge.destroy()
+    finally:
+        LOG.removeHandler(keep)
+    return records
+
+
+def test_a_rank_that_waits_says_once_what_for(worlds):
+    """Before, a mistake under torchrun was silent until MIMO_FX_TIMEOUT (300 s)."""
+    said = worlds.run(4, _waits)
+    for rank in (0, 1, 3):
+        build = [m for m in said[rank] if "the agreement on its definition" in m]
+        assert len(build) == 1 and "ranks that have not: [2]" in build[0], (rank, said[rank])
+        assert build[0].startswith(f"mimo_fx: rank {rank} has waited "), build
+        assert "'(dp b) h -> b (tp h) #0'" in build[0] and "MIMO_FX_TIMEOUT=" in build[0]
+    for rank in (0, 1):
+        call = [m for m in said[rank] if "call 1" in m]
+        assert len(call) == 1, (rank, said[rank])
+        assert "for rank 3 in the forward of call 1 of redistribute '(dp b) h' -> " \
+               "'b (tp h)' (all_to_all over ranks 0,1,2,3)" in call[0], call
