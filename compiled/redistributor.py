@@ -159,6 +159,7 @@ class Redistributor:
         """A bridge that creates groups is built alike on every rank of its grids: agree
         on its whole definition first (see :mod:`.agree`)."""
         self._decided = cast(bool | None, None)  # (see frozen)
+        self._met = False  # whether its ranks met at a call yet
         if self.involved and len(self.union) > 1:
             agree(self.name, self._definition(), "mimo_fx", self.union)
 
@@ -307,6 +308,15 @@ class Redistributor:
 
     def _call(self, x: torch.Tensor | None, sizes, dim_sizes,
               layouts: dict, post: bool = False) -> Any:
+        # (not compiling asked first: a trace must not read _decided before _frozen)
+        if (not torch.compiler.is_compiling() and self._decided is None
+                and self.options.frozen is None and not self.checked):
+            # its ranks are about to meet (see frozen): a mistake of this rank's alone is
+            # its error, raised before that collective as before any other (where the
+            # call's sizes are known without a size gather)
+            given = self.sizing.given(sizes, dim_sizes)
+            if not self.sizing.gathers_sizes(self.sizing.missing(given)):
+                self._check_given(x, {**self.fixed, **given})
         # first, before anything that waits for peers (a size gather), in every mode alike
         # (its first call's ranks may meet: see frozen)
         grad = self._backward_runs(x)
@@ -382,14 +392,17 @@ class Redistributor:
     def frozen(self) -> bool | None:
         """Whether the bridge's source is frozen: its backward moves nothing on any rank
         and no rank's result requires grad. ``frozen=`` when it was built; otherwise
-        decided by its first call under autograd on any of its ranks (None until then):
-        frozen if no rank holding a source piece passed a tensor that requires grad. Until
-        it is decided (calls under ``torch.no_grad()`` everywhere, an evaluation say),
-        each call's ranks say through the store whether they run under autograd and
-        whether their source tensor requires grad (under ``torch.compile`` while a call
-        is traced). A later source tensor that requires grad is then an error; one that
-        needs none, on a bridge that is not frozen, takes part in the backward all the
-        same."""
+        decided by its ranks when they meet (None until then): frozen if some rank runs
+        the call under autograd and no rank holding a source piece passed a tensor that
+        requires grad. They meet at the bridge's first call, and while it is undecided
+        (every rank ran it under ``torch.no_grad()``, an evaluation say) at each later
+        call under autograd, in one small all-gather of whether each runs the call under
+        autograd and whether its source tensor requires grad (under ``torch.compile``
+        while the call is traced). A later source tensor that requires grad is then an
+        error; one that needs none, on a bridge that is not frozen, takes part in the
+        backward all the same. (A source rank that, after such an evaluation, calls the
+        bridge under ``no_grad`` while its receivers run under autograd does not meet
+        them: build such a bridge with ``frozen=True``.)"""
         return self.options.frozen if self.options.frozen is not None else self._decided
 
     def _frozen(self, state: str) -> bool | None:
@@ -405,7 +418,7 @@ class Redistributor:
             comptime(_decide_traced)
             # (read only after the decision: Dynamo keeps the value it read first)
             return self._decided
-        if self._decided is None:
+        if self._decided is None and (state != "x" or not self._met):
             self._decide(state)
         return self._decided
 
@@ -414,6 +427,7 @@ class Redistributor:
         the bridge is frozen if some rank runs under autograd and no source rank's
         tensor requires grad."""
         states = [state] if len(self.union) == 1 else self._meet(state)
+        self._met = True
         if any(s != "x" for s in states):
             self._decided = "g" not in states
 
@@ -711,9 +725,10 @@ def _decide_traced(ctx) -> None:
     from .guard import TracedError
 
     bridge = live.named(ctx.get_local("name").as_python_constant())
-    if bridge._decided is None:
+    state = ctx.get_local("state").as_python_constant()
+    if bridge._decided is None and (state != "x" or not bridge._met):
         try:
-            bridge._decide(ctx.get_local("state").as_python_constant())
+            bridge._decide(state)
         except MimoFxError as err:  # (as a user error of the trace, not Dynamo's own)
             raise TracedError(str(err)) from None
 

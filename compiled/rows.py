@@ -31,6 +31,7 @@ from mimo_fx.rows import (
     RowTiling,
     is_row_pair,
     plan_layouts,
+    ragged_rows,
     route_tensors,
     row_dims,
     row_side,
@@ -57,8 +58,12 @@ def sizing_for(src, dst, fixed: dict | None, dtype: torch.dtype,
     """The sizing of a ``src -> dst`` bridge, the one place that picks it by the layouts'
     kind: :class:`RowSizing` where a side is a row layout, else :class:`~.sizing.Sizing`.
     A bridge asks it everything else through :class:`~.sizing.CallSizes`."""
-    kind = RowSizing if is_row_pair(src, dst) else Sizing
-    return kind(src, dst, fixed, dtype, grad_partial, rank, context)
+    if is_row_pair(src, dst):
+        return RowSizing(src, dst, fixed, dtype, grad_partial, rank, context)
+    rows = ragged_rows(src, dst, fixed or {})
+    if rows:  # (sizes no template serves: routed as rows, one graph for every count)
+        return RowSizing(src, dst, fixed, dtype, grad_partial, rank, context, rows)
+    return Sizing(src, dst, fixed, dtype, grad_partial, rank, context)
 
 
 class RowSizing(CallSizes):
@@ -67,8 +72,9 @@ class RowSizing(CallSizes):
     other batches of the same structure)."""
 
     def __init__(self, src, dst, fixed: dict | None, dtype: torch.dtype,
-                 grad_partial: tuple[str, ...], rank: int, context: str) -> None:
-        self.row_dims = row_dims(src, dst)
+                 grad_partial: tuple[str, ...], rank: int, context: str,
+                 rows: tuple[str, ...] = ()) -> None:
+        self.row_dims = rows or row_dims(src, dst)
         self.sides = (row_side(src), row_side(dst))
         for side in self.sides:
             side.check_side(self.row_dims)
@@ -210,7 +216,7 @@ class RowSizing(CallSizes):
         sizes.update({d: 1 for d in self.features})  # (rows do not depend on them)
         try:
             return row_plans(plan_layouts(src, dst, sizes, self.dtype.itemsize,
-                                          self.grad_partial), rank)
+                                          self.grad_partial, self.row_dims), rank)
         except MimoFxError as err:
             raise MimoFxError(self.context + str(err)) from None
 

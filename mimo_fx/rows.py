@@ -220,6 +220,7 @@ class RowRouting:
     row_bytes: int = 4  # bytes of one row (its elements times the item size)
     src: Any = None  # the layouts planned between (plan_layouts), None for raw maps
     dst: Any = None
+    rows: tuple[str, ...] = ()  # the dims flattened into rows (plan_layouts)
 
     def index(self, rank: int) -> int:
         """The position of ``rank`` in :attr:`ranks`."""
@@ -246,7 +247,7 @@ class RowRouting:
         """Its plans' one dim: the rows (the row dims flattened, as ``(b s)``)."""
         if self.src is None or self.dst is None:
             return "rows"
-        dims = row_dims(self.src, self.dst)
+        dims = self.rows or row_dims(self.src, self.dst)
         return dims[0] if len(dims) == 1 else f"({' '.join(dims)})"
 
     # -- cost ---------------------------------------------------------------------------
@@ -608,16 +609,17 @@ def _counted(layout, grad_partial: tuple[str, ...]) -> list[int]:
             if all(layout.grid.coord(r)[a] == 0 for a in axes)]
 
 
-def check_row_sizes(src, dst, sizes: Mapping[str, object]) -> dict[str, object]:
-    """Every dim's size for a row plan between ``src`` and ``dst``: ``sizes`` plus what a
-    side given row by row says of the row dims; raises if they disagree or one is
-    missing."""
+def check_row_sizes(src, dst, sizes: Mapping[str, object],
+                    rows: tuple[str, ...] = ()) -> dict[str, object]:
+    """Every dim's size for a row plan between ``src`` and ``dst`` over ``rows`` (default
+    :func:`row_dims`): ``sizes`` plus what a side given row by row says of the row dims;
+    raises if they disagree or one is missing."""
     if set(src.dims) != set(dst.dims):
         raise MimoFxError(
             f"src {src.describe()!r} and dst {dst.describe()!r} must name the same dims; "
             f"only in src: {sorted(set(src.dims) - set(dst.dims))}, only in dst: "
             f"{sorted(set(dst.dims) - set(src.dims))}")
-    rows = row_dims(src, dst)
+    rows = rows or row_dims(src, dst)
     out = dict(sizes)
     for lay in (src, dst):
         out = row_side(lay).count_rows(out, rows)
@@ -629,16 +631,19 @@ def check_row_sizes(src, dst, sizes: Mapping[str, object]) -> dict[str, object]:
 
 
 def plan_layouts(src, dst, sizes: Mapping[str, object], itemsize: int = 4,
-                 grad_partial: tuple[str, ...] = ()) -> RowRouting:
+                 grad_partial: tuple[str, ...] = (), rows: tuple[str, ...] = ()
+                 ) -> RowRouting:
     """The row routing from layout ``src`` to layout ``dst`` (one of them a row layout,
     the other a row layout or a box layout whose leading dims are the rows); its plans
-    are what :func:`mimo_fx.plan` returns for the pair."""
+    are what :func:`mimo_fx.plan` returns for the pair. ``rows``: the dims moved as
+    rows where neither side is given row by row (two box layouts whose leading dim is
+    a ragged one: :func:`ragged_rows`)."""
     from .regions import total
 
-    rows = row_dims(src, dst)
+    rows = rows or row_dims(src, dst)
     for lay in (src, dst):
         row_side(lay).check_side(rows)
-    full = check_row_sizes(src, dst, sizes)
+    full = check_row_sizes(src, dst, sizes, rows)
     n = 1
     for d in rows:
         n *= total(full[d])  # type: ignore[arg-type]
@@ -653,4 +658,27 @@ def plan_layouts(src, dst, sizes: Mapping[str, object], itemsize: int = 4,
                 f"{dst.describe()!r} (replicated axes: {dst.replicated})")
     p = plan_rows(_row_map(src, full, rows), _row_map(dst, full, rows), n,
                   counted=_counted(dst, tuple(grad_partial)), row_bytes=width * itemsize)
-    return replace(p, src=src, dst=dst)
+    return replace(p, src=src, dst=dst, rows=rows)
+
+
+def ragged_rows(src, dst, fixed: Mapping[str, object]) -> tuple[str, ...]:
+    """The dim two box layouts move as rows, where a template cannot serve them: a free
+    ragged dim (not in ``fixed``) that one layout cuts at its counts and the other evenly
+    (the pieces are then intersections of two sets of bounds, no polynomial of the
+    counts), when both layouts hold whole rows of it (:func:`check_box_side`); () if
+    none."""
+    from .layout import Layout
+
+    if not (isinstance(src, Layout) and isinstance(dst, Layout)):
+        return ()
+    for d in dict.fromkeys(src.ragged_dims + dst.ragged_dims):
+        if d in fixed or not any(lay.sharding[d] and d not in lay.ragged_dims
+                                 for lay in (src, dst)):
+            continue
+        try:
+            check_box_side(src, (d,))
+            check_box_side(dst, (d,))
+        except MimoFxError:
+            return ()
+        return (d,)
+    return ()

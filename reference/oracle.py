@@ -96,6 +96,33 @@ def _flatten_pattern(layout: Layout) -> str:
     return " ".join(g if " " not in g else f"({g})" for g in groups)
 
 
+def _sizes(x: torch.Tensor, layout: Layout, counts: dict) -> dict:
+    """Every dim's size for :func:`shard`: ``x``'s shape, a ragged dim's its counts
+    (checked against it; a dim cut evenly may be given its size or counts, checked)."""
+    sizes: dict = dict(zip(layout.dims, x.shape))
+    for dim, c in counts.items():
+        if dim not in sizes:
+            raise MimoFxError(f"shard: counts {dim}={c!r} name no dim of {layout.pattern!r} "
+                              f"(dims: {', '.join(layout.dims)})")
+        if isinstance(c, int) and not isinstance(c, bool) and dim not in layout.ragged_dims:
+            if c != sizes[dim]:  # (a plain size of a dim cut evenly: x's own, checked)
+                raise MimoFxError(f"shard: {dim}={c} but x has size {sizes[dim]} along "
+                                  f"{dim!r} (x's shape gives {layout.describe()!r} its sizes; "
+                                  f"drop {dim}=)")
+            continue
+        cs = _counts(dim, c)
+        if sum(cs) != sizes[dim]:
+            raise MimoFxError(f"shard: counts {dim}={cs!r} must sum to its size {sizes[dim]} "
+                              f"in x")
+        if dim in layout.ragged_dims:  # (a dim cut evenly here: checked, not needed)
+            sizes[dim] = cs
+    missing = [d for d in layout.ragged_dims if d not in counts]
+    if missing:
+        raise MimoFxError(f"shard: {layout.describe()!r} cuts {missing} ragged; give their "
+                          f"counts, e.g. {missing[0]}=(...)")
+    return sizes
+
+
 def shard(x: torch.Tensor, layout: Layout, *, rank: int | None = None,
           **counts: tuple[int, ...]):
     """Every holder's piece of the global ``x`` (dims in the pattern's order), or with
@@ -125,27 +152,7 @@ def shard(x: torch.Tensor, layout: Layout, *, rank: int | None = None,
         raise MimoFxError(f"shard: global tensor has {x.dim()} dims {tuple(x.shape)} but "
                           f"layout {layout.pattern!r} names {len(layout.dims)} dims "
                           f"{layout.dims}")
-    sizes: dict = dict(zip(layout.dims, x.shape))
-    for dim, c in counts.items():
-        if dim not in sizes:
-            raise MimoFxError(f"shard: counts {dim}={c!r} name no dim of {layout.pattern!r} "
-                              f"(dims: {', '.join(layout.dims)})")
-        if isinstance(c, int) and not isinstance(c, bool) and dim not in layout.ragged_dims:
-            if c != sizes[dim]:  # (a plain size of a dim cut evenly: x's own, checked)
-                raise MimoFxError(f"shard: {dim}={c} but x has size {sizes[dim]} along "
-                                  f"{dim!r} (x's shape gives {layout.describe()!r} its sizes; "
-                                  f"drop {dim}=)")
-            continue
-        cs = _counts(dim, c)
-        if sum(cs) != sizes[dim]:
-            raise MimoFxError(f"shard: counts {dim}={cs!r} must sum to its size {sizes[dim]} "
-                              f"in x")
-        if dim in layout.ragged_dims:  # (a dim cut evenly here: checked, not needed)
-            sizes[dim] = cs
-    missing = [d for d in layout.ragged_dims if d not in counts]
-    if missing:
-        raise MimoFxError(f"shard: {layout.describe()!r} cuts {missing} ragged; give their "
-                          f"counts, e.g. {missing[0]}=(...)")
+    sizes = _sizes(x, layout, counts)
     lhs, rhs = " ".join(layout.dims), _flatten_pattern(layout)
     out = {}
     for rank in getattr(layout, "_only", layout.holders):

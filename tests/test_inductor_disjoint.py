@@ -32,7 +32,9 @@ def _run(rank: int, name: str, backend: str) -> dict:
     from mimo_fx.reference import shard
 
     src, dst, sizes = BRIDGES[name]
-    bridge = Redistributor(src, dst, sizes)  # on every rank: creating groups is collective
+    # (frozen=False: its first call does not meet to decide whether the source is frozen;
+    # the collectives compared are the plans')
+    bridge = Redistributor(src, dst, sizes, frozen=False)
     if rank not in set(src.grid.ranks) | set(dst.grid.ranks):
         bridge.destroy()
         return None

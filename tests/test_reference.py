@@ -204,7 +204,8 @@ def test_grad_partial_is_axis_names(given, same_as):
 
 
 @pytest.mark.parametrize(("counts", "match"), [
-    ({"b": 8}, r"shard: counts b=8 must be a non-empty tuple of non-negative integers"),
+    ({"b": 7}, r"shard: b=7 but x has size 8 along 'b'"),  # (b=8, its size, is taken)
+    ({"b": -8}, r"shard: b=-8 but x has size 8 along 'b'"),
     ({"b": (1, 6)}, r"shard: counts b=\(1, 6\) must sum to its size 8"),
     ({"q": (4, 4)}, r"shard: counts q=\(4, 4\) name no dim of '\(dp b\) h'"),
 ])
