@@ -114,10 +114,12 @@ class Bridge(Redistributor):
             comm = self._check_comm
             return (lambda: self._waited(lambda: comm.all_gather(row, union), kind)
                     .view(len(union), -1)), union, None
-        gathered = self._channels[direction].start_gather(row, union, kind)
         receivers = (self.dst if direction == 0 else self.src).grid.ranks
         senders = (self.src if direction == 0 else self.dst).grid.ranks
         now = union if self.rank in receivers else tuple(r for r in union if r in senders)
+        # (the rows it waits for in a grouped call of their own: on NCCL a group's
+        # messages complete together, and the others' senders may be behind)
+        gathered = self._channels[direction].start_gather(row, union, first=now)
         index = [union.index(r) for r in now]
 
         def rows() -> torch.Tensor:

@@ -169,6 +169,8 @@ def _comm_op(kind: Collective, params: str, run, fake, args, compute,
                 raise timeouts.failed(site, kind, err) from None
             if isinstance(out, tuple):  # posted messages: waited by wait_tensor
                 return _in_flight(*out, site, kind)
+            if rules():  # a process group's own collective, run and waited
+                note("wait", note("coll", rest[-1], kind.value, rest[0].numel()))
             timeouts.ran(site)
             return out
 
@@ -214,6 +216,9 @@ def _exchanged(flats, out_splits, in_splits) -> list[torch.Tensor]:
 # op's messages in program order, so they pair as the collective's parts would.
 RECORD_ENV = "TORCH_FR_BUFFER_SIZE"  # recording on: Flight Recorder, and the journal
 JOURNAL_KEPT = 20000
+# the NCCL-rules record (mimo_fx.testing.nccl_rules replays it): every group this process
+# uses, every grouped point-to-point call, collective and wait, in the order they ran
+RULES_ENV = "MIMO_FX_NCCL_RULES"
 
 
 class Messages:
@@ -225,22 +230,25 @@ class Messages:
     ranks, elements in, elements out, ((peer, elements) sent), ((peer, elements)
     received)); read by :mod:`.trace`, since Flight Recorder does not see gloo's
     messages) with ``journaled``, the number ever journaled (the oldest kept is number
-    ``journaled - len(journal)``)."""
+    ``journaled - len(journal)``); with ``MIMO_FX_NCCL_RULES=1``, the NCCL-rules record
+    (``rules``: events :func:`note` appends; ``op_of``: the event of each work)."""
 
     def __init__(self) -> None:
         self.groups: dict[str, tuple[Any, bool, tuple[int, ...]]] = {}
         self.peers: dict[int, int] = {}
         self.journal: deque[tuple] = deque(maxlen=JOURNAL_KEPT)
         self.journaled = 0
+        self.rules: list[tuple] = []
+        self.op_of: dict[int, int] = {}
 
 
 MESSAGES = Messages()
 
 
 def _group(name: str) -> tuple[Any, bool, tuple[int, ...]]:
-    """The process group registered under ``name``; whether its messages must be posted
-    together (NCCL pairs a send with its receive only inside one group call; gloo posts
-    each message as it comes); its members' global ranks."""
+    """The process group registered under ``name``; whether its backend for CPU data
+    coalesces (see :func:`coalesces`; the messages' device is asked per call); its
+    members' global ranks."""
     known = MESSAGES.groups
     entry = known.get(name)
     if entry is None or entry[0].group_name != name:
@@ -249,9 +257,84 @@ def _group(name: str) -> tuple[Any, bool, tuple[int, ...]]:
         pg = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
         if len(known) > 4096:  # (names of destroyed groups are never used again)
             known.clear()
-        entry = known[name] = (pg, dist.get_backend(pg) != "gloo",
-                               tuple(dist.get_process_group_ranks(pg)))
+        entry = known[name] = (pg, False, tuple(dist.get_process_group_ranks(pg)))
     return entry
+
+
+_COALESCES: dict[tuple[str, str], bool] = {}
+
+
+def coalesces(pg, device: torch.device) -> bool:
+    """Whether ``pg``'s backend for ``device`` coalesces a grouped call's operations
+    (``supports_coalescing``: NCCL does, gloo does not): asked of the backend object,
+    never read from its name. There its own all-gather is the faster one; elsewhere an
+    all-gather goes as messages (gloo's is a ring through its worker thread)."""
+    key = (pg.group_name, device.type)
+    known = _COALESCES.get(key)
+    if known is None:
+        try:
+            known = bool(pg._get_backend(device).supports_coalescing)
+        except RuntimeError:  # (no backend for that device)
+            known = False
+        if len(_COALESCES) > 4096:
+            _COALESCES.clear()
+        _COALESCES[key] = known
+    return known
+
+
+def rules() -> bool:
+    """Whether this process keeps the NCCL-rules record (``MIMO_FX_NCCL_RULES=1``)."""
+    return os.environ.get(RULES_ENV, "0") not in ("", "0")
+
+
+def note(*event) -> int:
+    """Append ``event`` to the NCCL-rules record; its index (-1 when it is off)."""
+    if not rules():
+        return -1
+    MESSAGES.rules.append(event)
+    return len(MESSAGES.rules) - 1
+
+
+def post(pg, members: tuple[int, ...], sends: list, recvs: list) -> list:
+    """Post ``sends`` and ``recvs`` (``(group rank, tensor)`` pairs) of one exchange in
+    one grouped call (``batch_isend_irecv``: NCCL runs them as one group, gloo posts them
+    in turn), no tags: messages of a pair of ranks on a process group pair in posting
+    order. The works to wait for (one per message, or one for the group where the
+    backend coalesces)."""
+    import torch.distributed as dist
+
+    ops = [dist.P2POp(dist.isend, t, group=pg, group_peer=j) for j, t in sends]
+    ops += [dist.P2POp(dist.irecv, t, group=pg, group_peer=j) for j, t in recvs]
+    if not ops:
+        return []
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except RuntimeError as err:  # (its peer may have left already)
+        peers = {members[j] for j, _ in [*sends, *recvs]}
+        if len(peers) == 1:
+            err.peer = peers.pop()  # type: ignore[attr-defined]
+        raise
+    if rules():
+        i = note("p2p", pg.group_name,
+                 tuple((members[j], t.numel(), str(t.dtype)) for j, t in sends),
+                 tuple((members[j], t.numel(), str(t.dtype)) for j, t in recvs))
+        for w in works:
+            MESSAGES.op_of[id(w)] = i
+    peers_ = MESSAGES.peers
+    if len(peers_) > 4096:  # (works never waited for: a failed call's)
+        peers_.clear()
+    if len(works) == len(ops):  # (one work per message: its peer known)
+        for work, (j, _) in zip(works, [*sends, *recvs]):
+            peers_[id(work)] = members[j]
+    return works
+
+
+def waited(works) -> None:
+    """Note, in the NCCL-rules record, that this rank waited for ``works``."""
+    if rules():
+        ops = sorted({MESSAGES.op_of.pop(id(w)) for w in works if id(w) in MESSAGES.op_of})
+        for i in ops:
+            note("wait", i)
 
 
 def forget(name: str) -> None:
@@ -260,11 +343,12 @@ def forget(name: str) -> None:
     MESSAGES.groups.pop(name, None)
 
 
-def _messages_gather(name: str) -> bool:
-    """Whether an all-gather on group ``name`` goes as messages: on gloo, whose
-    all-gather is a ring through its worker thread (about 1.6x the messages' time on 8
-    processes); other backends' own all-gather is the faster one."""
-    return not _group(name)[1]
+def _messages_gather(name: str, device: torch.device) -> bool:
+    """Whether an all-gather on group ``name`` goes as messages: where its backend does
+    not coalesce (gloo, whose all-gather is a ring through its worker thread, about 1.6x
+    the messages' time on 8 processes); a coalescing backend's own all-gather is the
+    faster one (see :func:`coalesces`)."""
+    return not coalesces(_group(name)[0], device)
 
 
 def recording() -> bool:
@@ -285,39 +369,12 @@ def _post(kind: Collective, name: str, flat: torch.Tensor, out: torch.Tensor, se
     works to wait for (a rank waits for its own sends too: their buffers may be views of
     what the caller reuses). The op is journaled (``MESSAGES.journal``) when recording, unless
     ``journal`` is False (an op posted in parts journals itself)."""
-    pg, coalesce, members = _group(name)
+    pg, _, members = _group(name)
     if journal and recording():
         _journal(kind, members, flat.numel(), out.numel(),
                  tuple((members[j], t.numel()) for j, t in sends),
                  tuple((members[j], t.numel()) for j, t in recvs))
-    if coalesce:
-        import torch.distributed as dist
-
-        ops = [dist.P2POp(dist.isend, t, group=pg, group_peer=j) for j, t in sends]
-        ops += [dist.P2POp(dist.irecv, t, group=pg, group_peer=j) for j, t in recvs]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        if len(works) != len(ops):  # (one work for the batch: its peers are not known)
-            return works
-    else:
-        works = [_posted(pg.send, t, j, members) for j, t in sends]
-        works += [_posted(pg.recv, t, j, members) for j, t in recvs]
-    peers = MESSAGES.peers
-    if len(peers) > 4096:  # (works never waited for: a failed call's)
-        peers.clear()
-    for work, (j, _) in zip(works, [*sends, *recvs]):
-        peers[id(work)] = members[j]
-    return works
-
-
-def _posted(post, t: torch.Tensor, j: int, members: tuple[int, ...]):
-    """``post([t], j, 0)`` (a send or receive with group rank ``j``); if posting
-    fails at once (its peer may have left already), the error carries the peer's global
-    rank as ``peer``, which :func:`.timeouts.failed` names."""
-    try:
-        return post([t], j, 0)
-    except RuntimeError as err:
-        err.peer = members[j]  # type: ignore[attr-defined]
-        raise
+    return post(pg, members, sends, recvs)
 
 
 def wait_all(works: list, site: str, kind: Collective | None) -> None:
@@ -333,6 +390,7 @@ def wait_all(works: list, site: str, kind: Collective | None) -> None:
 
     with timeouts.waiting(lambda: timeouts.described(site, kind, pending)):
         _wait_each(works, site, kind)
+    waited(works)
 
 
 def _wait_each(works: list, site: str, kind: Collective | None) -> None:
@@ -447,7 +505,7 @@ OPS: dict[Collective, CommOp] = {op.kind: op for op in (
     _comm_op(
         Collective.ALL_GATHER, "Tensor flat, int group_size, str group",
         lambda flat, n, group, site: _gather_messages(flat, n, group, site)
-        if _messages_gather(group) else
+        if _messages_gather(group, flat.device) else
         _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, n, group)),
         lambda flat, n, group: flat.new_empty(flat.numel() * n),
         lambda flat, ranks, group, out_splits, in_splits: (flat, len(ranks), group),
@@ -523,7 +581,7 @@ class FunctionalComm(Comm):
         name = self.names[ranks]
         if torch.compiler.is_compiling() or not (
                 kind is Collective.ALL_TO_ALL or kind is Collective.ALL_GATHER
-                and _messages_gather(name)):
+                and _messages_gather(name, flat.device)):
             return Handle(self.collective(kind, flat, ranks, out_splits, in_splits, site))
         try:
             if kind is Collective.ALL_TO_ALL:

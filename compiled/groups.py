@@ -55,7 +55,7 @@ import torch.distributed as dist
 from mimo_fx.errors import MimoFxError
 from mimo_fx.grid import mesh_groups
 
-from .comm import forget
+from .comm import forget, note
 from .timeouts import waiting
 
 __all__ = ["acquire", "release", "group_name", "process_group", "live_groups", "world_token",
@@ -311,6 +311,7 @@ def _join(pg, ranks: Ranks, what: str, device: torch.device) -> None:
         with waiting(lambda: f"the members of process group {list(ranks)} at its first "
                              f"operation ({what})"):
             dist.all_reduce(torch.zeros(1, device=device), group=pg)
+        note("wait", note("coll", pg.group_name, "all_reduce", 1))
     except RuntimeError as err:
         raise MimoFxError(
             f"{what}: rank {dist.get_rank()} waited in vain for the members of process "
@@ -347,6 +348,7 @@ def acquire(groups: Iterable[Ranks], tag: str = "", what: str = "mimo_fx",
             POOL.created += 1
             POOL.retired_done = True  # the retired groups' peers are through connecting
         POOL.groups[tag, ranks] = [pg, 1, mesh is not None]
+        note("group", pg.group_name, ranks)
         _join(pg, ranks, what, device or data_device())
 
 
@@ -365,6 +367,7 @@ def release(groups: Iterable[Ranks], tag: str = "", abandon: bool = False) -> No
                 continue  # the mesh's: it lives as long as the mesh
             if abandon:
                 keep_alive(pg)  # never destroyed: a peer may still take its messages
+                note("abandon", pg.group_name)
             elif pg is not dist.group.WORLD and POOL.world is world_token() is not None:
                 off_thread = not _own_backend(pg, "cuda")  # (gloo's: see _OffThread)
                 forget(pg.group_name)

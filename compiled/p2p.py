@@ -4,10 +4,11 @@ A collective pairs the n-th call of every member, so two stages may only share o
 they issue their forwards and backwards in the same interleaving. Pipeline schedules do
 not: in 1F1B the first stage runs warm-up forwards ahead of the last, so one side issues
 ``F0, F1, B0`` while the other issues ``F0, B0, F1``. Point-to-point messages pair per
-sender, receiver and channel instead, in the order each side posts them; so a
-:class:`Bridge <.bridge.Bridge>` gives each direction its own :class:`Channel` (a process
-group of its own, and a gloo tag per kind of message), and forwards pair with forwards,
-backwards with backwards, whatever the interleaving.
+sender, receiver and channel instead, in the order each side posts them (no tags: NCCL
+ignores them); so a :class:`Bridge <.bridge.Bridge>` gives each direction its own
+:class:`Channel` (a process group of its own), and forwards pair with forwards,
+backwards with backwards, whatever the interleaving. A rank posts one exchange's sends
+and receives in one grouped call (``batch_isend_irecv``), as NCCL needs.
 
 A :class:`Channel` offers the collectives of the comm seam (:class:`~.comm.Comm`) built
 from ``isend``/``irecv``, which is what lets a lowered program run unchanged over
@@ -31,16 +32,16 @@ import torch.distributed as dist
 
 from mimo_fx.plan import Collective
 
-from .comm import OPS, Comm
+from .comm import OPS, Comm, post, waited
 from .timeouts import waiting
 
-__all__ = ["Channel", "Gathered", "Routed", "DATA", "SIZES", "CHECKS"]
+__all__ = ["Channel", "Gathered", "Routed", "SIZES", "CHECKS"]
 
 Ranks = tuple[int, ...]
-# the kinds of message a channel carries: gloo pairs a receive with the oldest send of
-# the same tag from that sender (NCCL ignores tags: there the posting order, the same on
-# both sides, pairs them)
-DATA, SIZES, CHECKS = 0, 1, 2
+# the kinds of small row a call gathers (what a failed wait says it waited for); the
+# messages carry no tag (NCCL ignores tags): a pair's messages on a channel pair in the
+# order both sides post them, the same order
+SIZES, CHECKS = 1, 2
 
 
 class Channel(Comm):
@@ -49,24 +50,10 @@ class Channel(Comm):
     def __init__(self, group, rank: int) -> None:
         self.group = group
         self.rank = rank
+        self.members = tuple(dist.get_process_group_ranks(group))
         self._sent: list[tuple[dist.Work, torch.Tensor]] = []
         self._posted: list[tuple[dist.Work, torch.Tensor]] = []  # receives, until they end
         self.messages = 0  # messages posted over the channel (sends and receives)
-
-    # -- messages -----------------------------------------------------------------------
-    def _send(self, piece: torch.Tensor, peer: int, tag: int) -> None:
-        piece = piece.contiguous()
-        self.messages += 1
-        work = dist.isend(piece, dst=peer, group=self.group, tag=tag)
-        assert work is not None  # (None only off the group)
-        self._sent.append((work, piece))
-
-    def _recv(self, into: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        self.messages += 1
-        work = dist.irecv(into, src=peer, group=self.group, tag=tag)
-        assert work is not None
-        self._posted.append((work, into))
-        return work
 
     def settle(self, wait: bool = False) -> int:
         """Forget the sends their receivers took (all of them, waiting, with ``wait``);
@@ -87,21 +74,31 @@ class Channel(Comm):
         return self._sent + self._posted
 
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
-                 recvs: Sequence[tuple[int, torch.Tensor]], tag: int = DATA) -> list:
+                 recvs: Sequence[tuple[int, torch.Tensor]]) -> list:
         """Post ``sends`` and ``recvs`` (``(peer, tensor)``; a peer equal to this rank is
-        a local copy); returns the receives' works (wait on them)."""
-        works = []
+        a local copy) in one grouped call (:func:`.comm.post`: no tags, messages of a pair
+        pair in posting order); returns the works to wait for before the receives are
+        there (each receive's, or the group's one)."""
         local = {p: t for p, t in sends if p == self.rank}
-        for peer, piece in sends:
-            if peer != self.rank:
-                self._send(piece, peer, tag)
-        for peer, into in recvs:
+        out = [(p, t.contiguous()) for p, t in sends if p != self.rank]
+        into = [(p, t) for p, t in recvs if p != self.rank]
+        for peer, t in recvs:
             if peer == self.rank:
-                into.copy_(local[peer])
-            else:
-                works.append(self._recv(into, peer, tag))
+                t.copy_(local[peer])
+        index = self.members.index
+        works = post(self.group, self.members, [(index(p), t) for p, t in out],
+                     [(index(p), t) for p, t in into])
+        self.messages += len(out) + len(into)
+        if len(works) == len(out) + len(into):  # (one work per message)
+            self._sent += [(w, t) for w, (_, t) in zip(works, out)]
+            received = works[len(out):]
+            self._posted += [(w, t) for w, (_, t) in zip(received, into)]
+        else:  # (one work for the group: the sends are through when it is)
+            self._sent += [(w, t) for w in works for _, t in out]
+            received = works if into else []
+            self._posted += [(w, t) for w in received for _, t in into]
         self.settle()
-        return works
+        return received
 
     # -- the comm seam ------------------------------------------------------------------
     def collective(self, kind: Collective, flat: torch.Tensor, ranks: Ranks,
@@ -136,23 +133,37 @@ class Channel(Comm):
             if n:
                 recvs.append((peer, out[at:at + n]))
             at += n
+        works = self.exchange(sends, recvs)
         with waiting(lambda: f"ranks {sorted({p for p, _ in recvs})}'s messages on a "
                              f"pipelined bridge's channel"):
-            for work in self.exchange(sends, recvs):
+            for work in works:
                 work.wait()
+        waited(works)
         return out
 
-    def all_gather(self, flat: torch.Tensor, ranks: Ranks, tag: int = DATA) -> torch.Tensor:
-        return self.start_gather(flat, ranks, tag).wait().view(-1)
+    def all_gather(self, flat: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+        return self.start_gather(flat, ranks).wait().view(-1)
 
-    def start_gather(self, flat: torch.Tensor, ranks: Ranks, tag: int = DATA) -> Gathered:
+    def start_gather(self, flat: torch.Tensor, ranks: Ranks,
+                     first: Ranks | None = None) -> Gathered:
         """Post an all-gather of ``flat`` over ``ranks``; its rows arrive in the
-        background (:class:`Gathered`)."""
+        background (:class:`Gathered`). ``first``: the ranks whose rows are waited for
+        first, posted in a grouped call of their own (the rest in another: where a
+        backend completes a group's messages together, waiting for them never waits
+        for the rest)."""
         out = flat.new_empty((len(ranks), flat.numel()))
-        others = [p for p in ranks if p != self.rank]
-        works = self.exchange([(p, flat) for p in ranks],
-                              [(p, out[i]) for i, p in enumerate(ranks)], tag)
-        return Gathered(out, dict(zip(others, works)), ranks)
+        works: dict[int, object] = {}
+        parts = [ranks] if first is None or tuple(first) == tuple(ranks) else [
+            tuple(first), tuple(p for p in ranks if p not in first)]
+        for part in parts:
+            others = [p for p in part if p != self.rank]
+            got = self.exchange([(p, flat) for p in part],
+                                [(p, out[ranks.index(p)]) for p in part])
+            if len(got) == len(others):
+                works.update(zip(others, got))
+            else:  # (one work for the group's messages)
+                works.update({p: w for w in got for p in others})
+        return Gathered(out, works, ranks)
 
 
 class Gathered:
@@ -170,6 +181,7 @@ class Gathered:
                 work = self.works.pop(peer, None)
                 if work is not None:
                     work.wait()
+                    waited([work])
         return self.out
 
     def done(self) -> bool:

@@ -104,3 +104,11 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", f"shared worlds: {pool.spawns} spawned")
         for line in pool.summary():
             terminalreporter.write_line(line)
+    from mimo_fx.testing.nccl_rules import TOTALS
+
+    if TOTALS["functions"]:
+        terminalreporter.write_sep("-", "NCCL rules (MIMO_FX_NCCL_RULES=1)")
+        terminalreporter.write_line(
+            f"{TOTALS['functions']} world functions replayed with NCCL's semantics: "
+            f"{TOTALS['ops']} operations on {TOTALS['groups']} process groups, "
+            f"{TOTALS['problems']} deadlocks, mis-pairings or skipped first operations")

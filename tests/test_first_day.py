@@ -384,18 +384,22 @@ def test_the_rank_that_left_is_named(tmp_path):
         assert float(seconds) < 60, (r, seconds)
 
 
-def test_a_message_whose_posting_fails_names_its_peer():
+def test_a_message_whose_posting_fails_names_its_peer(monkeypatch):
     """A rank that has left makes gloo's send to it fail while being posted, before any
     work exists to map to its peer: the error still names that rank (global, not group)."""
+    import torch.distributed as dist
+
     from mimo_fx import Collective
     from mimo_fx.compiled import comm, timeouts
 
-    def post(tensors, peer, tag):
+    def batch_isend_irecv(ops):
         raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:32990")
 
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
+    monkeypatch.setattr(dist, "P2POp", lambda *args, **kwargs: args)  # (no process group)
     members = (4, 5, 6, 7)  # group rank 2 is global rank 6
     with pytest.raises(RuntimeError, match="closed by peer") as info:
-        comm._posted(post, torch.ones(1), 2, members)
+        comm.post(None, members, [(2, torch.ones(1))], [(2, torch.ones(1))])
     bare = timeouts.failed("", Collective.ALL_TO_ALL, info.value)
     assert "(rank 6 left) (RuntimeError: [pair.cc:553] Connection closed" in str(bare), bare
     site = timeouts.at("enc->llm", "forward", 0, "4,5,6,7")

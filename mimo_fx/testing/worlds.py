@@ -185,8 +185,20 @@ def _serve_one(rank: int, size: int, conn: Connection, baseline: _Baseline | Non
         dist.barrier()
         why = "a SpawnedWorld(reuse=False) runs one function" if baseline is None else \
             baseline.restore()
-    _send(conn, ("ok", result, why, touched.report()))
+    _send(conn, ("ok", result, why, touched.report(), _rules_record()))
     return not why
+
+
+def _rules_record() -> list | None:
+    """This process's NCCL-rules record of the function that just ran, taken (None when
+    the mode is off; see :mod:`.nccl_rules`)."""
+    comm = sys.modules.get("mimo_fx.compiled.comm")
+    if comm is None or not comm.rules():
+        return None
+    record = list(comm.MESSAGES.rules)
+    comm.MESSAGES.rules.clear()
+    comm.MESSAGES.op_of.clear()
+    return record
 
 
 def _logger_states() -> dict[Any, tuple]:
@@ -374,6 +386,7 @@ class SpawnedWorld:
         self.spawns = 0   # how many times this world was spawned
         self.runs = 0     # functions run to completion
         self.retired = ""  # why the last function ended the world ("" if it did not)
+        self._rules: dict | None = None  # the last function's NCCL-rules records, by rank
         self.ends: list[str] = []  # why each earlier spawn of it ended
         self._processes: list = []
         self._conns: list[Connection] = []
@@ -430,11 +443,33 @@ class SpawnedWorld:
         except BaseException as err:
             self._failed(started.fn, err)
             raise
+        if self._rules is not None:
+            self._check_rules(started.fn)
         self.runs += 1
         if self.retired:
             self.close()
             self._ended(started.fn)
         return results
+
+    def _check_rules(self, fn) -> None:
+        """Replay the function's NCCL-rules records of every rank (:mod:`.nccl_rules`);
+        a rule broken is this function's failure."""
+        from .nccl_rules import TOTALS, replay
+
+        records, self._rules = self._rules or {}, None
+        report = replay(records)
+        TOTALS["functions"] += 1
+        TOTALS["ops"] += report.ops
+        TOTALS["groups"] += report.groups
+        TOTALS["problems"] += len(report.problems)
+        if report.problems:
+            dump = os.environ.get("MIMO_FX_NCCL_RULES_DUMP")  # a file for every record
+            if dump:
+                with open(dump, "wb") as f:
+                    pickle.dump(records, f)
+            raise WorldError(f"{getattr(fn, '__qualname__', fn)} broke NCCL's rules on the "
+                             f"{self.size}-process world: " + "; ".join(report.problems[:5])
+                             + ("" if not dump else f" (every rank's record: {dump})"))
 
     def _failed(self, fn, err: BaseException) -> None:
         self.close(kill=True)  # a failed world may be desynchronised: never reused
@@ -481,6 +516,8 @@ class SpawnedWorld:
                 state["done"].add(rank)
             elif message[0] == "ok":
                 state["results"][rank] = message[1]
+                if message[4] is not None:
+                    state.setdefault("rules", {})[rank] = message[4]
                 for kind, names in message[3].items():
                     touched.IN_WORLDS[kind] |= names
                 state["why"] = state["why"] or (f"rank {rank}: {message[2]}" if message[2] else "")
@@ -520,6 +557,7 @@ class SpawnedWorld:
             raise WorldError(f"the {self.size}-process world did not finish in "
                              f"{timeout:.0f} s (a hang?); raise timeout= if it is just slow"
                              + _where_stuck(self._processes, stuck, self._dir))
+        self._rules = state.get("rules")
         return state["results"], state["why"]
 
     def _progress(self, state: dict, seconds: float, said: str) -> str:
