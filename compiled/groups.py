@@ -52,6 +52,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from mimo_fx.collective import Collective
 from mimo_fx.errors import MimoFxError
 from mimo_fx.grid import mesh_groups
 
@@ -311,7 +312,7 @@ def _join(pg, ranks: Ranks, what: str, device: torch.device) -> None:
         with waiting(lambda: f"the members of process group {list(ranks)} at its first "
                              f"operation ({what})"):
             dist.all_reduce(torch.zeros(1, device=device), group=pg)
-        note("wait", note("coll", pg.group_name, "all_reduce", 1))
+        note("wait", note("coll", pg.group_name, Collective.ALL_REDUCE.value, 1))
     except RuntimeError as err:
         raise MimoFxError(
             f"{what}: rank {dist.get_rank()} waited in vain for the members of process "

@@ -25,16 +25,18 @@ each wait. :func:`replay` runs every rank's record together as NCCL would:
 
 Operations left when nothing can progress are a deadlock, reported with each stuck
 rank's operation -- but for those on a group abandoned after a failed call (its peers
-never took what it sent: mimo_fx keeps such a group alive and never uses it again). What is not modelled: host syncs (``.item()`` of device data), and
-other libraries' collectives (DeviceMesh's, DTensor's), which mimo_fx does not issue.
+never took what it sent: mimo_fx keeps such a group alive and never uses it again). What
+is not modelled: host syncs (``.item()`` of device data), and other libraries'
+collectives (DeviceMesh's, DTensor's), which mimo_fx does not issue.
 
 >>> from mimo_fx.testing.nccl_rules import replay
 >>> ok = {0: [("group", "g", (0, 1)), ("coll", "g", "all_reduce", 1),
 ...           ("p2p", "g", ((1, 4, "f"),), ()), ("p2p", "g", (), ((1, 4, "f"),))],
 ...       1: [("group", "g", (0, 1)), ("coll", "g", "all_reduce", 1),
 ...           ("p2p", "g", ((0, 4, "f"),), ()), ("p2p", "g", (), ((0, 4, "f"),))]}
->>> replay(ok).problems     # each sends first, in its own group call: NCCL deadlocks
-['deadlock: rank 0 stuck at its op 2 on group g (p2p: send 4 to 1), rank 1 stuck at its op 2 on group g (p2p: send 4 to 0)']
+>>> replay(ok).problems[0][:65]  # each sends first, in a call of its own: NCCL deadlocks
+'deadlock: rank 0 stuck at its op 2 on group g (p2p: send 4 to 1),'
+
 """
 
 from __future__ import annotations
@@ -133,6 +135,54 @@ def _first_operations(queues: dict, members: dict) -> list[str]:
     return out
 
 
+def _current(heads: dict, rank: int, group: str) -> _Op | None:
+    q = heads.get((rank, group))
+    return q[0] if q else None
+
+
+def _ready(op: _Op) -> bool:
+    return all(d.done for d in op.deps)
+
+
+def _p2p_step(op: _Op, heads: dict, problems: list[str]) -> bool:
+    """Pair what ``op`` sends with its peers' current receives; whether any paired."""
+    progress = False
+    for item in op.sends:
+        if item[3]:
+            continue
+        peer, n, dtype, _ = item
+        other = _current(heads, peer, op.group)
+        if other is None or other.kind != "p2p" or not _ready(other):
+            continue
+        match = next((r for r in other.recvs if r[0] == op.rank and not r[3]), None)
+        if match is None:
+            continue
+        if (match[1], match[2]) != (n, dtype):
+            problems.append(f"mis-paired on group {op.group}: rank {op.rank} sends {n} "
+                            f"({dtype}) to rank {peer}, whose receive takes {match[1]} "
+                            f"({match[2]})")
+        item[3] = match[3] = True
+        progress = True
+    if all(i[3] for i in op.sends + op.recvs):
+        op.done = progress = True
+    return progress
+
+
+def _collective_step(op: _Op, heads: dict, members: dict, problems: list[str]) -> bool:
+    """Run ``op``'s collective if every member of its group is at it; whether it ran."""
+    ops = [_current(heads, r, op.group) for r in members.get(op.group, ())]
+    if any(o is None or o.kind == "p2p" or not _ready(o) for o in ops):
+        return False
+    if len({(o.kind, o.size) for o in ops if o is not None}) > 1:
+        problems.append(f"mis-paired collective on group {op.group}: "
+                        + ", ".join(f"rank {o.rank} runs {o.describe()}"
+                                    for o in ops if o is not None))
+    for o in ops:
+        if o is not None:
+            o.done = True
+    return True
+
+
 def replay(records: dict[int, list[tuple]]) -> Report:
     """Replay every rank's record (``{rank: events}``) with NCCL's semantics (see the
     module docstring); the report's problems are empty when every rule held."""
@@ -140,56 +190,16 @@ def replay(records: dict[int, list[tuple]]) -> Report:
     report = Report(ops=sum(len(q) for q in queues.values()), groups=len(members))
     problems += _first_operations(queues, members)
     heads: dict[tuple[int, str], deque] = {k: deque(q) for k, q in queues.items()}
-
-    def current(rank: int, group: str) -> _Op | None:
-        q = heads.get((rank, group))
-        return q[0] if q else None
-
-    def ready(op: _Op) -> bool:
-        return all(d.done for d in op.deps)
-
     progress = True
     while progress:
         progress = False
-        for (rank, group), q in list(heads.items()):
-            if not q:
+        for q in list(heads.values()):
+            if not q or q[0].done or not _ready(q[0]):
                 continue
-            op = q[0]
-            if op.done or not ready(op):
-                continue
-            if op.kind == "p2p":
-                for item in op.sends:
-                    if item[3]:
-                        continue
-                    peer, n, dtype, _ = item
-                    other = current(peer, group)
-                    if other is None or other.kind != "p2p" or not ready(other):
-                        continue
-                    match = next((r for r in other.recvs if r[0] == rank and not r[3]), None)
-                    if match is None:
-                        continue
-                    if (match[1], match[2]) != (n, dtype):
-                        problems.append(
-                            f"mis-paired on group {group}: rank {rank} sends {n} ({dtype}) "
-                            f"to rank {peer}, whose receive takes {match[1]} ({match[2]})")
-                    item[3] = match[3] = True
-                    progress = True
-                if all(i[3] for i in op.sends + op.recvs):
-                    op.done = progress = True
+            if q[0].kind == "p2p":
+                progress |= _p2p_step(q[0], heads, problems)
             else:
-                ranks = members.get(group, ())
-                ops = [current(r, group) for r in ranks]
-                if any(o is None or o.kind == "p2p" or not ready(o) for o in ops):
-                    continue
-                kinds = {(o.kind, o.size) for o in ops if o is not None}
-                if len(kinds) > 1:
-                    problems.append(f"mis-paired collective on group {group}: "
-                                    + ", ".join(f"rank {o.rank} runs {o.describe()}"
-                                                for o in ops if o is not None))
-                for o in ops:
-                    if o is not None:
-                        o.done = True
-                progress = True
+                progress |= _collective_step(q[0], heads, members, problems)
         for q in heads.values():
             while q and q[0].done:
                 q.popleft()
