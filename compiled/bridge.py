@@ -52,7 +52,7 @@ import torch
 
 from mimo_fx.errors import MimoFxError
 
-from .comm import Comm
+from .comm import Comm, host_to
 from .executor import CompiledExecutor, Numbers
 from .lease import Lease, keep_alive, release_later
 from .p2p import CHECKS, SIZES, Channel, Routed
@@ -174,12 +174,12 @@ class Bridge(Redistributor):
         """This rank's size row; a row bridge's fingerprint folds in the sizes given and
         the call's batch, so ranks that pass different batches raise, as in a call of
         the bridge itself."""
-        row = self.sizing.size_row(x, self.device)
-        data = self.sizing.batch(batch)
+        row = self.sizing.size_values(x)
+        data = self.sizing.batch_values(batch)
         if data:
             values, spec = flat_sizes(known)
             fold_call(row, values, spec, data)
-        return row
+        return host_to(torch.tensor(row, dtype=torch.int64), self.device)
 
     def _forward(self, x: torch.Tensor | None, sizes: dict | None, batch: dict) -> Iterator:
         """A forward in two steps: post its rows (``yield``), then validate ``x`` (this

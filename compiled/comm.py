@@ -41,7 +41,7 @@ from mimo_fx.plan import Collective
 
 from . import inductor_order, timeouts
 
-__all__ = ["Comm", "CommOp", "FunctionalComm", "OPS", "ordered", "register_ordered"]
+__all__ = ["Comm", "CommOp", "FunctionalComm", "OPS", "host_to", "ordered", "register_ordered"]
 
 Ranks = tuple[int, ...]
 Splits = Sequence[int]
@@ -329,6 +329,17 @@ def post(pg, members: tuple[int, ...], sends: list, recvs: list) -> list:
     return works
 
 
+def host_to(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor (metadata made from ints) on ``device``, without waiting for the
+    work queued there: on CUDA through pinned memory, asynchronously."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def waited(works) -> None:
     """Note, in the NCCL-rules record, that this rank waited for ``works``."""
     if rules():
@@ -572,12 +583,16 @@ class FunctionalComm(Comm):
     def collective(self, kind: Collective, flat: torch.Tensor, ranks: Ranks,
                    out_splits: Splits = (), in_splits: Splits = (),
                    site: str = "") -> torch.Tensor:
+        if len(ranks) == 1:  # (every kind over one member gives it its own input)
+            return flat.clone()
         return OPS[kind](flat, ranks, self.names[ranks], out_splits, in_splits, site)
 
     def start(self, kind: Collective, flat: torch.Tensor, ranks: Ranks,
               out_splits: Splits = (), in_splits: Splits = (), site: str = "") -> Handle:
         """Eagerly, a collective that goes as messages is posted and left in flight
         (the others, and every collective under ``torch.compile``, run at once)."""
+        if len(ranks) == 1:
+            return Handle(self.collective(kind, flat, ranks, out_splits, in_splits, site))
         name = self.names[ranks]
         if torch.compiler.is_compiling() or not (
                 kind is Collective.ALL_TO_ALL or kind is Collective.ALL_GATHER

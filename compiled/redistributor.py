@@ -37,6 +37,7 @@ from mimo_fx.vjp import apply
 
 from . import live, timeouts
 from .agree import agree
+from .comm import host_to
 from .executor import CompiledExecutor, Numbers
 from .groups import CHECK
 from .guard import HEADER_LEN, Guard, fingerprint, raise_now
@@ -152,7 +153,7 @@ class Redistributor:
         self.src, self.dst, self.options = src, dst, opts
         self._context_text = _message_prefix(src, dst, opts.checked)
         self.sizing = sizing_for(src, dst, sizes, opts.dtype, opts.grad_partial,
-                                 self.rank, self._context())
+                                 self.rank, self._context(), opts.resolved_device())
         self.name, self._named = _identity(src, dst, name), name is not None
 
     def _agree(self) -> None:
@@ -512,8 +513,11 @@ class Redistributor:
         given = self.sizing.given(sizes, dim_sizes)
         full = {**self.fixed, **given}
         missing = self.sizing.missing(given)
-        if len(self.union) == 1:
-            return full, frozenset()
+        if len(self.union) == 1:  # (learned from its own tensor: no one to gather from)
+            if not missing:
+                return full, frozenset()
+            return self.sizing.sizes_from(self.sizing.size_row(x).view(1, -1), full), \
+                frozenset(missing)
         if not self.sizing.gathers_sizes(missing) and not torch.compiler.is_compiling():
             key = (None if x is None else tuple(x.shape), tuple(full.items()))
             last = self._given_last
@@ -535,22 +539,26 @@ class Redistributor:
         """The size gather: every rank's shape row, then every size from them. Under
         ``torch.compile`` the gather is an ordered op that also judges the rows when
         the graph runs, raising the eager call's error on every rank."""
-        row = self.sizing.size_row(x, self.device)
-        batch = self.sizing.batch(layouts)
         values, spec = flat_sizes(known)
         if not torch.compiler.is_compiling():  # (the gather learns them as it judges)
-            return _gather_sizes_eager(self, row, values, batch, spec)[1]
-        rows = _GATHER_SIZES(row, values, batch, self.name, spec)
+            return _gather_sizes_eager(self, self.sizing.size_values(x), values,
+                                       self.sizing.batch_values(layouts), spec)[1]
+        batch = self.sizing.batch(layouts)
+        rows = _GATHER_SIZES(self.sizing.size_row(x), values, batch, self.name, spec)
         if not self.sizing.missing(known):
             # every size given: the op judges the rows when the graph runs; reading
             # them here would only repeat its checks as run-time asserts
             return dict(known)
         return self.sizing.sizes_from(rows.view(len(self.union), -1), known)
 
-    def _gather_size_rows(self, row: torch.Tensor) -> torch.Tensor:
+    def _gather_size_rows(self, row: list[int]) -> torch.Tensor:
+        """Every rank's size row (``row``: this rank's host values), on the host: the
+        one read of the data's device a call that learns its sizes makes."""
         assert self._check_comm is not None
         try:
-            return self._check_comm.all_gather(row, self.union).view(len(self.union), -1)
+            mine = host_to(torch.tensor(row, dtype=torch.int64), self.device)
+            rows = self._check_comm.all_gather(mine, self.union)
+            return rows.view(len(self.union), -1).cpu()
         except (RuntimeError, MimoFxError) as err:  # a timeout or a peer gone
             raise MimoFxError(
                 self._context() + f"rank {self.rank} waited in vain for every rank's size "
@@ -766,12 +774,13 @@ def _traced_handle(bridge: Redistributor) -> Redistributor:
     return handle
 
 
-def fold_call(row: torch.Tensor, known, spec: str, batch) -> torch.Tensor:
-    """``row`` (a size row), its fingerprint folding in the sizes a call gives
-    (``known``, flat as :func:`flat_sizes` makes them, with their ``spec``) and its
-    batch's data: ranks whose calls differ in either send different rows."""
+def fold_call(row: list, known, spec: str, batch) -> list:
+    """``row`` (a size row's host values), its fingerprint folding in the sizes a call
+    gives (``known``, flat as :func:`flat_sizes` makes them, with their ``spec``) and
+    its batch's data as ints (``batch``): ranks whose calls differ in either send
+    different rows."""
     row[1] = fingerprint(int(row[1]), [int(v) for v in known], spec,
-                         [b.tolist() for b in batch])
+                         [list(b) for b in batch])
     return row
 
 
@@ -779,16 +788,17 @@ def _gather_sizes_impl(row: torch.Tensor, known, batch, bridge: str, spec: str) 
     """Every rank's size row, its fingerprint folding in the sizes the call gives and
     its batch, judged as an eager call judges them (the same error on every rank for a
     bad one)."""
-    return _gather_sizes_eager(live.named(bridge), row, known, batch, spec)[0]
+    return _gather_sizes_eager(live.named(bridge), row.tolist(), known,
+                               [b.tolist() for b in batch], spec)[0]
 
 
-def _gather_sizes_eager(self: Redistributor, row: torch.Tensor, known, batch,
+def _gather_sizes_eager(self: Redistributor, row: list, known, batch,
                         spec: str) -> tuple[torch.Tensor, dict]:
-    """:func:`_gather_sizes_impl`'s rows, and every size they give."""
+    """:func:`_gather_sizes_impl`'s rows (on the host), and every size they give."""
     known = [int(v) for v in known]
-    mine = fold_call(row.clone(), known, spec, batch)
+    mine = fold_call(list(row), known, spec, batch)
     sizes = read_sizes(known, spec)
-    key = (tuple(mine.tolist()), spec)
+    key = (tuple(mine), spec)
     agreed = self._agreed
     if agreed is not None and agreed[0] == key and not self.sizing.missing(sizes):
         # every size given, as in the last size gather, whose rows agreed: nothing to learn

@@ -54,15 +54,17 @@ def key_of(layout):
 
 
 def sizing_for(src, dst, fixed: dict | None, dtype: torch.dtype,
-               grad_partial: tuple[str, ...], rank: int, context: str) -> CallSizes:
+               grad_partial: tuple[str, ...], rank: int, context: str,
+               device=None) -> CallSizes:
     """The sizing of a ``src -> dst`` bridge, the one place that picks it by the layouts'
     kind: :class:`RowSizing` where a side is a row layout, else :class:`~.sizing.Sizing`.
-    A bridge asks it everything else through :class:`~.sizing.CallSizes`."""
+    A bridge asks it everything else through :class:`~.sizing.CallSizes`. ``device``:
+    the data's, where a row bridge's route indices live (default: the CPU's)."""
     if is_row_pair(src, dst):
-        return RowSizing(src, dst, fixed, dtype, grad_partial, rank, context)
+        return RowSizing(src, dst, fixed, dtype, grad_partial, rank, context, (), device)
     rows = ragged_rows(src, dst, fixed or {})
     if rows:  # (sizes no template serves: routed as rows, one graph for every count)
-        return RowSizing(src, dst, fixed, dtype, grad_partial, rank, context, rows)
+        return RowSizing(src, dst, fixed, dtype, grad_partial, rank, context, rows, device)
     return Sizing(src, dst, fixed, dtype, grad_partial, rank, context)
 
 
@@ -73,8 +75,11 @@ class RowSizing(CallSizes):
 
     def __init__(self, src, dst, fixed: dict | None, dtype: torch.dtype,
                  grad_partial: tuple[str, ...], rank: int, context: str,
-                 rows: tuple[str, ...] = ()) -> None:
+                 rows: tuple[str, ...] = (), device=None) -> None:
         self.row_dims = rows or row_dims(src, dst)
+        # the route's index vectors index the data: on its device (its counts, host
+        # metadata, stay on the CPU)
+        self.device = torch.device("cpu" if device is None else device)
         self.sides = (row_side(src), row_side(dst))
         for side in self.sides:
             side.check_side(self.row_dims)
@@ -129,6 +134,10 @@ class RowSizing(CallSizes):
         src, dst = self._call_sides(layouts.get("src", self.src), layouts.get("dst", self.dst))
         return src.batch() + dst.batch()
 
+    def batch_values(self, layouts: dict) -> list[tuple[int, ...]]:
+        src, dst = self._call_sides(layouts.get("src", self.src), layouts.get("dst", self.dst))
+        return src.batch_values() + dst.batch_values()
+
     def _call_sides(self, src, dst) -> tuple:
         """The row sides of a call that brings layouts ``src``/``dst`` (its batch)."""
         return self.sides[0].for_call(src), self.sides[1].for_call(dst)
@@ -140,12 +149,10 @@ class RowSizing(CallSizes):
     def gathers_sizes(self, missing: tuple) -> bool:
         return True  # the size gather checks the batch every rank passed
 
-    def size_row(self, x, device) -> torch.Tensor:
-        from .guard import int_tensor
+    def size_values(self, x) -> list:
         from .learn import Row
 
-        ndim = 1 + len(self.features)
-        return int_tensor(Row.encode(x, ndim, self.print_), device)
+        return Row.encode(x, 1 + len(self.features), self.print_)
 
     def sizes_from(self, rows: torch.Tensor, known: dict, ranks=None) -> dict:
         """The sizes the src holders' shapes show (see :mod:`.learn`): a box src's every
@@ -180,7 +187,6 @@ class RowSizing(CallSizes):
         their numbers, its index vectors, the batch's digest."""
         src = self.src if src is None else src
         dst = self.dst if dst is None else dst
-        device = x.device if isinstance(x, torch.Tensor) else None
         if not torch.compiler.is_compiling():
             self._last = (src, dst)
         if torch.compiler.is_compiling():
@@ -195,7 +201,7 @@ class RowSizing(CallSizes):
             for v in values:
                 torch._check(v >= 0)
         else:
-            route, index = self.route(src, dst, full, device)
+            route, index = self.route(src, dst, full)
             values, digest = list(route.counts), self._digest(src, dst, full)
         values += [full[d] for d in self.features]
         return Programs(self.fwd_program, self.bwd_program, tuple(values), tuple(index),
@@ -220,14 +226,14 @@ class RowSizing(CallSizes):
         except MimoFxError as err:
             raise MimoFxError(self.context + str(err)) from None
 
-    def route(self, src, dst, full: dict, device=None):
+    def route(self, src, dst, full: dict):
         """This rank's route for a batch (its plans lowered, :func:`~.lowering.lower_route`)
-        and its index vectors (planned once per batch, cached)."""
-        key = (*self._keys(src, dst, full), str(device))
+        and its index vectors on the data's device (planned once per batch, cached)."""
+        key = self._keys(src, dst, full)
         hit = self._plans.get(key)
         if hit is None:
             route = lowering.lower_route(*self.plan(src, dst, full, self.rank), self.rank)
-            hit = self._plans[key] = (route, route_tensors(route, device)[0])
+            hit = self._plans[key] = (route, route_tensors(route, self.device)[0])
             if len(self._plans) > CACHED_PLANS:
                 self._plans.popitem(last=False)
         else:
@@ -272,15 +278,17 @@ def _route_impl(src_data: torch.Tensor, dst_data: torch.Tensor, bridge: str):
     src, s_sizes = sizing.sides[0].from_batch(src_values, read_sizes(src_values, spec))
     dst, d_sizes = sizing.sides[1].from_batch(dst_values, read_sizes(dst_values, spec))
     full = {**s_sizes, **d_sizes}
-    route, index = sizing.route(src, dst, full, src_data.device)
+    route, index = sizing.route(src, dst, full)
     counts = torch.tensor((*route.counts, sizing._digest(src, dst, full)), dtype=torch.int64)
     return (*(t.clone() for t in index), counts)
 
 
 def _route_fake(src_data, dst_data, bridge: str):
     ctx = torch.library.get_ctx()
-    index = [src_data.new_empty((ctx.new_dynamic_size(),)) for _ in ROUTE_INDEX]
-    n = len(named(bridge.rpartition("|")[0]).union)
+    bridge_ = named(bridge.rpartition("|")[0])
+    index = [torch.empty((ctx.new_dynamic_size(),), dtype=torch.int64,
+                         device=bridge_.sizing.device) for _ in ROUTE_INDEX]
+    n = len(bridge_.union)
     return (*index, src_data.new_empty((4 * n + 4,)))  # the counts, then the digest
 
 

@@ -99,9 +99,17 @@ class CallSizes:
         the call's batch, where a call brings one)."""
         raise NotImplementedError
 
-    def size_row(self, x, device) -> torch.Tensor:
-        """This rank's row of the size gather (see :mod:`.learn`)."""
+    def size_values(self, x) -> list:
+        """This rank's row of the size gather (see :mod:`.learn`), as host values: ints,
+        or SymInts under ``torch.compile``."""
         raise NotImplementedError
+
+    def size_row(self, x) -> torch.Tensor:
+        """:meth:`size_values` as an int64 vector on the host (size rows are metadata: a
+        call reads them back, and a read of a host tensor never waits for a GPU)."""
+        from .guard import int_tensor
+
+        return int_tensor(self.size_values(x), "cpu")
 
     def sizes_from(self, rows: torch.Tensor, known: dict, ranks=None) -> dict:
         """Every size from the gathered rows of ``ranks`` (default: both grids'),
@@ -174,6 +182,10 @@ class CallSizes:
     def batch(self, layouts: dict) -> list[torch.Tensor]:
         """The data of a call's batch (``layouts``: what it passed as ``src=``/``dst=``),
         which its size row's fingerprint folds in; empty where layouts carry no batch."""
+        return []
+
+    def batch_values(self, layouts: dict) -> list[tuple[int, ...]]:
+        """:meth:`batch` as host ints (an eager call folds them in, reading no tensor)."""
         return []
 
     @property
@@ -267,11 +279,10 @@ class Sizing(CallSizes):
         return self.template.variables if self.template is not None else ()
 
     # -- a call's sizes (given, missing: CallSizes) ----------------------------------------
-    def size_row(self, x, device) -> torch.Tensor:
-        from .guard import int_tensor
+    def size_values(self, x) -> list:
         from .learn import Row
 
-        return int_tensor(Row.encode(x, len(self.src.local_dims), self.print_), device)
+        return Row.encode(x, len(self.src.local_dims), self.print_)
 
     def sizes_from(self, rows: torch.Tensor, known: dict, ranks=None) -> dict:
         from .learn import learn_sizes
@@ -331,8 +342,7 @@ class Sizing(CallSizes):
         a run-time check, keeps every program number a plain polynomial."""
         from .guard import int_tensor
 
-        device = x.device if isinstance(x, torch.Tensor) else "cpu"
-        fresh = int_tensor(values, device).tolist()
+        fresh = int_tensor(values, "cpu").tolist()  # (host values: no device read)
         for new, old, var in zip(fresh, values, variables):
             torch._check(new == old)
             torch._check(new >= (1 if var[0] == "u" else 0))

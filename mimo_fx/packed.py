@@ -439,6 +439,7 @@ class PackedLayout:
     tokens: tuple[int, ...] | None  # the selected tokens (global rows), or None: all
     packings: tuple[Packing, ...]   # per dp group
     data: torch.Tensor              # the batch as one int64 vector (see from_data)
+    values: tuple[int, ...]         # data's ints
 
     def __init__(self, grid, pattern: str, lengths: Sequence[Sequence[int]],
                  zigzag: bool = True, *, cp: str | None = None,
@@ -474,6 +475,7 @@ class PackedLayout:
         # a new batch is new data, not a new graph: no length of it is specialised on
         torch._dynamo.decorators.mark_unbacked(tensor, 0)
         set_(self, "data", tensor)
+        set_(self, "values", tuple(data))  # (the same, on the host: read without a tensor)
 
     @staticmethod
     def from_data(structure: PackedStructure, data: Sequence[int]) -> PackedLayout:
@@ -646,6 +648,10 @@ class PackedLayout:
     def batch(self) -> list[torch.Tensor]:
         """A call's batch as tensors: its :attr:`data`."""
         return [self.data]
+
+    def batch_values(self) -> list[tuple[int, ...]]:
+        """:meth:`batch` as host ints (what an eager call folds in, reading no tensor)."""
+        return [self.values]
 
     def batch_key(self, full: Mapping[str, object], rows: tuple[str, ...]) -> tuple:
         """What makes a call's batch this one: its lengths and selected tokens."""

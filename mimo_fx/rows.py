@@ -563,6 +563,10 @@ class BoxRows:
         """A call's batch as tensors: none (its row sizes travel as the call's sizes)."""
         return []
 
+    def batch_values(self) -> list[tuple[int, ...]]:
+        """:meth:`batch` as host ints: none."""
+        return []
+
     def batch_key(self, full: Mapping[str, object], rows: tuple[str, ...]) -> tuple:
         """What makes a call's batch this one: its row sizes."""
         return tuple(full.get(d) for d in rows)

@@ -8,6 +8,7 @@ between ranks (kinds, split sizes, a rank that never comes) fails with the ranks
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -82,12 +83,16 @@ EXECUTORS = {"interpreted": CompiledExecutor, "straight": StraightExecutor}
 
 def run_programs(programs: dict, inputs: dict[int, torch.Tensor], ndim: int,
                  env: dict | None = None, dtype=torch.float64,
-                 how: str = "interpreted") -> dict[int, torch.Tensor]:
+                 how: str = "interpreted", device="cpu", inside=None,
+                 index: dict | None = None) -> dict[int, torch.Tensor]:
     """Run every rank's program (``{rank: program}``) at once; ``inputs`` are the src
     pieces (ranks without one pass an empty tensor of ``ndim`` dims). A template
     program's numbers are evaluated at ``env`` by the executor itself. ``how``:
     ``"interpreted"`` (the executor's eager run) or ``"straight"`` (the program's
-    straight-line function, what a compiled call runs, called here eagerly)."""
+    straight-line function, what a compiled call runs, called here eagerly). ``device``:
+    where the empty pieces are made; ``inside(rank)``: a context each rank's thread
+    runs its program in (a dispatch mode is per thread); ``index``: a row program's
+    route index vectors by rank."""
     world = _Rendezvous()
     outs, errors = {}, []
 
@@ -96,8 +101,10 @@ def run_programs(programs: dict, inputs: dict[int, torch.Tensor], ndim: int,
             ex = EXECUTORS[how](ThreadComm(world, rank))
             x = inputs.get(rank)
             if x is None:
-                x = torch.empty((0,) * ndim, dtype=dtype)
-            (outs[rank],) = ex.run(programs[rank], (x,), env)
+                x = torch.empty((0,) * ndim, dtype=dtype, device=device)
+            with inside(rank) if inside is not None else contextlib.nullcontext():
+                (outs[rank],) = ex.run(programs[rank], (x,), env,
+                                       (index or {}).get(rank, ()))
         except BaseException as err:  # reported below
             errors.append(f"rank {rank}: {type(err).__name__}: {err}")
 

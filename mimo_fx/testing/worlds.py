@@ -45,7 +45,7 @@ import time
 import traceback
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -72,6 +72,10 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed._functional_collecti
 # once a rank has failed, how long its peers get to report (they usually fail at once,
 # having lost it) before the world is killed
 GRACE = 30.0
+# once every rank has finished a function, how long the barrier after it and the reset
+# before the next may take (seconds on a loaded machine) before the world is killed with
+# each rank's stack
+AFTER = 120.0
 
 
 class WorldError(MimoFxError, AssertionError):
@@ -300,16 +304,22 @@ def _registered_bridges() -> str:
 
 # -- in the parent --------------------------------------------------------------------------
 
-def _where_stuck(processes: list, stuck: list[int], out_dir: str) -> str:
-    """The ranks that never finished their function, each with the innermost frames of
-    its stack (asked for with SIGUSR1, see ``_serve``; ``MIMO_FX_STACK_FRAMES``, 3 by
-    default, says how many)."""
-    for rank in stuck:
+def _where_stuck(processes: list, stuck: list[int], out_dir: str,
+                 after: Sequence[int] = ()) -> str:
+    """The ranks that never finished their function, and those (``after``) that finished
+    it but not what follows (the barrier and the reset before the next), each with the
+    innermost frames of its stack (asked for with SIGUSR1, see ``_serve``;
+    ``MIMO_FX_STACK_FRAMES``, 3 by default, says how many)."""
+    asked = list(stuck) + list(after)
+    for rank in asked:
         if processes[rank].is_alive():
             os.kill(processes[rank].pid, signal.SIGUSR1)
     time.sleep(1.0)
-    lines = [f"; ranks {stuck} never finished"]
-    for rank in stuck:
+    lines = [f"; ranks {stuck} never finished"] if stuck else []
+    if after:
+        lines.append(f"{'; ' if not stuck else ''}ranks {list(after)} finished the function "
+                     f"but not the barrier and the reset after it")
+    for rank in asked:
         try:
             with open(os.path.join(out_dir, f"{rank}.stack")) as f:
                 frames = [ln.strip() for ln in f if ln.strip().startswith("File")]
@@ -537,7 +547,7 @@ class SpawnedWorld:
         give_up = deadline
         begun = time.monotonic()
         report = begun + self.progress if self.progress is not None else float("inf")
-        said = ""
+        said, ended = "", False
         while state["pending"] and time.monotonic() < give_up:
             ranks = sorted(state["pending"])
             wait([self._conns[r] for r in ranks] + [self._processes[r].sentinel for r in ranks],
@@ -549,14 +559,23 @@ class SpawnedWorld:
                 report = time.monotonic() + 1.0  # (printed again only when it changes)
             if (state["errors"] or state["died"]) and give_up == deadline:
                 give_up = min(deadline, time.monotonic() + GRACE)
+            if state["pending"] and state["pending"] <= state["done"] and not ended:
+                # every rank finished the function: what is left (a barrier, the reset)
+                # is bounded on its own, so a hang there is named with its stacks
+                ended = True
+                give_up = min(give_up, time.monotonic() + AFTER)
         pending = sorted(state["pending"])
         if state["errors"] or state["died"]:
             raise _failure(self.size, state["errors"], state["died"], pending)
         if pending:
             stuck = [r for r in pending if r not in state["done"]]
-            raise WorldError(f"the {self.size}-process world did not finish in "
-                             f"{timeout:.0f} s (a hang?); raise timeout= if it is just slow"
-                             + _where_stuck(self._processes, stuck, self._dir))
+            after = [r for r in pending if r in state["done"]]
+            what = (f"did not finish in {timeout:.0f} s (a hang?); raise timeout= if it is "
+                    f"just slow" if stuck else
+                    f"finished its function but not what follows within {AFTER:.0f} s (a "
+                    f"hang?)")
+            raise WorldError(f"the {self.size}-process world {what}"
+                             + _where_stuck(self._processes, stuck, self._dir, after))
         self._rules = state.get("rules")
         return state["results"], state["why"]
 
