@@ -52,7 +52,7 @@ import torch
 
 from mimo_fx.errors import MimoFxError
 
-from .comm import Comm, host_to
+from .comm import Comm, host_to, note
 from .executor import CompiledExecutor, Numbers
 from .lease import Lease, keep_alive, release_later
 from .p2p import CHECKS, SIZES, Channel, Routed
@@ -130,6 +130,7 @@ class Bridge(Redistributor):
         try:
             return wait()
         except (RuntimeError, MimoFxError) as err:  # a timeout, or a peer gone
+            note("fail")
             raise MimoFxError(
                 self._context() + f"rank {self.rank} waited in vain for the other ranks' "
                 f"{'size rows' if kind == SIZES else 'check headers'} "

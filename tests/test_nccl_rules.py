@@ -116,3 +116,20 @@ def test_sends_left_in_flight_on_one_channel_do_not_block_another(waits):
            ("wait", 5), _recv(fwd, 0)]
     problems = replay({0: src, 1: dst}).problems
     assert (problems != []) == waits, problems
+
+
+def test_a_failed_wait_forgives_what_its_rank_left_in_flight():
+    """A test of a mistake: rank 1 skips its receive, rank 0's wait times out (a
+    MimoFxError on gloo; NCCL's watchdog on NCCL). Its lone send is no deadlock of the
+    transport's; the same record without the failure is."""
+    skipped = {0: [*_start("g", (0, 1)), _send("g", 1), ("fail",)],
+               1: [*_start("g", (0, 1))]}
+    assert replay(skipped).problems == []
+    unfailed = {0: skipped[0][:-1], 1: skipped[1]}
+    (problem,) = replay(unfailed).problems
+    assert problem.startswith("deadlock: rank 0 stuck at its op 2 on group g"), problem
+    # a group first used after the failure is still checked
+    later = {0: [*skipped[0], *_start("h", (0, 1)), _send("h", 1)],
+             1: [*skipped[1], *_start("h", (0, 1))]}
+    (problem,) = replay(later).problems
+    assert "group h" in problem and "group g" not in problem, problem

@@ -25,7 +25,9 @@ each wait. :func:`replay` runs every rank's record together as NCCL would:
 
 Operations left when nothing can progress are a deadlock, reported with each stuck
 rank's operation -- but for those on a group abandoned after a failed call (its peers
-never took what it sent: mimo_fx keeps such a group alive and never uses it again). What
+never took what it sent: mimo_fx keeps such a group alive and never uses it again), or
+on a group a rank had used before one of its waits failed (``"fail"``: a test of a
+mistake, which times out on gloo and meets NCCL's watchdog on NCCL). What
 is not modelled: host syncs (``.item()`` of device data), and other libraries'
 collectives (DeviceMesh's, DTensor's), which mimo_fx does not issue.
 
@@ -96,6 +98,12 @@ def _ops(records: dict[int, list[tuple]]) -> tuple[dict, dict, list[str], set[st
                 continue
             if event[0] == "abandon":
                 abandoned.add(event[1])
+                continue
+            if event[0] == "fail":
+                # a wait that failed (a timeout, a peer gone: an error the program sees
+                # on gloo, NCCL's watchdog on NCCL): what this rank had posted may never
+                # be taken, so its groups so far are forgiven as abandoned ones are
+                abandoned.update(last)
                 continue
             if event[0] == "wait":
                 op = by_index.get(event[1])
