@@ -166,7 +166,7 @@ def _comm_op(kind: Collective, params: str, run, fake, args, compute,
                 with timeouts.waiting(lambda: timeouts.described(site, kind)):
                     out = run(*rest, site=site)
             except RuntimeError as err:
-                raise timeouts.failed(site, kind, err) from None
+                raise _failed(site, kind, err) from None
             if isinstance(out, tuple):  # posted messages: waited by wait_tensor
                 return _in_flight(*out, site, kind)
             if rules():  # a process group's own collective, run and waited
@@ -340,6 +340,13 @@ def host_to(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device)
 
 
+def _failed(site: str, kind, err: BaseException, peer: int | None = None) -> Exception:
+    """:func:`.timeouts.failed`'s error, noted in the NCCL-rules record (its replay
+    forgives what this rank had in flight: see :mod:`mimo_fx.testing.nccl_rules`)."""
+    note("fail")
+    return timeouts.failed(site, kind, err, peer)
+
+
 def waited(works) -> None:
     """Note, in the NCCL-rules record, that this rank waited for ``works``."""
     if rules():
@@ -413,7 +420,7 @@ def _wait_each(works: list, site: str, kind: Collective | None) -> None:
             peer = peers.get(id(work))
             for w in works:
                 peers.pop(id(w), None)
-            raise timeouts.failed(site, kind, err, peer) from None
+            raise _failed(site, kind, err, peer) from None
         peers.pop(id(work), None)
 
 
@@ -605,7 +612,7 @@ class FunctionalComm(Comm):
             else:
                 out, works, _ = _gather_messages(flat, len(ranks), name, site)
         except RuntimeError as err:
-            raise timeouts.failed(site, kind, err) from None
+            raise _failed(site, kind, err) from None
         if not works:
             timeouts.ran(site)
         return Handle(out, works, site, kind)

@@ -127,9 +127,6 @@ def failed(site_: str, kind, err: BaseException, peer: int | None = None) -> Mim
     """The error for a collective of ``site_`` whose wait failed: which bridge,
     direction, call and group, the likely cause, and what this rank has run; ``peer``:
     the (global) rank at the other end of the failed message, where known."""
-    from .comm import note
-
-    note("fail")  # (the NCCL-rules replay forgives what was in flight: see nccl_rules)
     if peer is None:  # (a message whose posting failed names its peer: comm._posted)
         peer = getattr(err, "peer", None)
     gone = any(m in str(err) for m in ("closed by peer", "reset by peer", "Broken pipe",

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mimo_fx import gpu_check
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -35,3 +37,12 @@ def test_the_one_gpu_checks_pass_rehearsed_on_the_cpu(tmp_path):
     assert [v.split(":")[0] for v in verdicts] == [
         "ok   lowered table", "ok   row route", "ok   one-rank world"], lines
     assert lines[-1] == "3 passed, 0 failed"
+
+
+def test_the_checks_adapt_to_the_gpus_present():
+    names = {n: [name for name, _ in gpu_check.checks(n, torch.device("cpu"))]
+             for n in (0, 1, 2, 8)}
+    one = ["lowered table", "row route", "one-rank world"]
+    assert names[0] == names[1] == one
+    assert names[2] == [*one, "NCCL table sample"]
+    assert names[8] == [*one, "NCCL table sample", "Megatron side by side"]
