@@ -234,7 +234,7 @@ class Messages:
     (``rules``: events :func:`note` appends; ``op_of``: the event of each work)."""
 
     def __init__(self) -> None:
-        self.groups: dict[str, tuple[Any, bool, tuple[int, ...]]] = {}
+        self.groups: dict[str, tuple[Any, tuple[int, ...]]] = {}
         self.peers: dict[int, int] = {}
         self.journal: deque[tuple] = deque(maxlen=JOURNAL_KEPT)
         self.journaled = 0
@@ -245,10 +245,9 @@ class Messages:
 MESSAGES = Messages()
 
 
-def _group(name: str) -> tuple[Any, bool, tuple[int, ...]]:
-    """The process group registered under ``name``; whether its backend for CPU data
-    coalesces (see :func:`coalesces`; the messages' device is asked per call); its
-    members' global ranks."""
+def _group(name: str) -> tuple[Any, tuple[int, ...]]:
+    """The process group registered under ``name`` and its members' global ranks
+    (whether it coalesces is asked per device: :func:`coalesces`)."""
     known = MESSAGES.groups
     entry = known.get(name)
     if entry is None or entry[0].group_name != name:
@@ -257,7 +256,7 @@ def _group(name: str) -> tuple[Any, bool, tuple[int, ...]]:
         pg = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
         if len(known) > 4096:  # (names of destroyed groups are never used again)
             known.clear()
-        entry = known[name] = (pg, False, tuple(dist.get_process_group_ranks(pg)))
+        entry = known[name] = (pg, tuple(dist.get_process_group_ranks(pg)))
     return entry
 
 
@@ -387,7 +386,7 @@ def _post(kind: Collective, name: str, flat: torch.Tensor, out: torch.Tensor, se
     works to wait for (a rank waits for its own sends too: their buffers may be views of
     what the caller reuses). The op is journaled (``MESSAGES.journal``) when recording, unless
     ``journal`` is False (an op posted in parts journals itself)."""
-    pg, _, members = _group(name)
+    pg, members = _group(name)
     if journal and recording():
         _journal(kind, members, flat.numel(), out.numel(),
                  tuple((members[j], t.numel()) for j, t in sends),
@@ -485,7 +484,7 @@ def _rooted(flat: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, me: int, 
         return out, _post(Collective.ALL_GATHER, name, flat, out, [(0, flat)], [(0, out)]), 1
     rows[0].copy_(flat)  # (the others receive theirs with the whole)
     if recording():
-        members = _group(name)[2]
+        members = _group(name)[1]
         _journal(Collective.ALL_GATHER, members, flat.numel(), out.numel(),
                  tuple((members[j], out.numel()) for j in range(1, n)),
                  tuple((members[j], flat.numel()) for j in range(1, n)))
