@@ -6,6 +6,7 @@ raises, dies, hangs or ends its world; SpawnedWorlds keeping at most so many pro
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -214,6 +215,10 @@ def test_a_started_world_runs_beside_the_caller_and_is_never_closed_for_room():
         # a run of a world whose function was started but not collected takes its
         # results first (kept for the handle), then runs
         again = worlds.start(2, _sum_of_ranks, 2)
+        # results collected after the deadline of a function that met it are its results
+        late = worlds.start(1, _sum_of_ranks, 5, timeout=1.0)
+        time.sleep(2.0)
+        assert late.result() == [0]
         assert worlds.run(2, _sum_of_ranks, 3) == [3, 3] and again.result() == [2, 2]
         failing = worlds.start(2, _one_rank_fails)
         with pytest.raises(WorldError, match="rank one's own mistake"):

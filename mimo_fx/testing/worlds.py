@@ -322,7 +322,10 @@ def _where_stuck(processes: list, stuck: list[int], out_dir: str,
     for rank in asked:
         try:
             with open(os.path.join(out_dir, f"{rank}.stack")) as f:
-                frames = [ln.strip() for ln in f if ln.strip().startswith("File")]
+                dumps = f.read().split("Stack (most recent call first)")
+            # the latest dump: a process asked before (an earlier hang) has older ones
+            frames = [ln.strip() for ln in dumps[-1].splitlines()
+                      if ln.strip().startswith("File")]
         except FileNotFoundError:  # not yet listening: still starting up
             frames = ["(not started: importing torch or before its process group)"]
         shown = frames[:int(os.environ.get("MIMO_FX_STACK_FRAMES", "3"))]
@@ -548,12 +551,17 @@ class SpawnedWorld:
         begun = time.monotonic()
         report = begun + self.progress if self.progress is not None else float("inf")
         said, ended = "", False
-        while state["pending"] and time.monotonic() < give_up:
+        # read at least once: a started function's results may have waited in the pipes
+        # past its deadline while its caller did other work (started_early's functions
+        # are collected long after they finished)
+        while state["pending"]:
             ranks = sorted(state["pending"])
             wait([self._conns[r] for r in ranks] + [self._processes[r].sentinel for r in ranks],
                  timeout=max(0.0, min(give_up, report) - time.monotonic()))
             for rank in ranks:
                 self._read(rank, state)
+            if not state["pending"] or time.monotonic() >= give_up:
+                break
             if time.monotonic() >= report and state["pending"]:
                 said = self._progress(state, time.monotonic() - begun, said)
                 report = time.monotonic() + 1.0  # (printed again only when it changes)
