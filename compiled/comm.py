@@ -360,6 +360,13 @@ def forget(name: str) -> None:
     MESSAGES.groups.pop(name, None)
 
 
+def forget_world() -> None:
+    """Forget every group of a world that is gone: a new world makes groups of the same
+    names (:func:`~.groups._name`), and a cached old one is destroyed."""
+    MESSAGES.groups.clear()
+    _COALESCES.clear()
+
+
 def _messages_gather(name: str, device: torch.device) -> bool:
     """Whether an all-gather on group ``name`` goes as messages: where its backend does
     not coalesce (gloo, whose all-gather is a ring through its worker thread, about 1.6x

@@ -56,7 +56,7 @@ from mimo_fx.collective import Collective
 from mimo_fx.errors import MimoFxError
 from mimo_fx.grid import mesh_groups
 
-from .comm import forget, note
+from .comm import forget, forget_world, note
 from .timeouts import waiting
 
 __all__ = ["acquire", "release", "group_name", "process_group", "live_groups", "world_token",
@@ -181,6 +181,7 @@ class Pool:
             self.in_flight.clear()
             self.agreed.clear()
             self.made.clear()
+            forget_world()
             self.world = dist.group.WORLD
 
 
