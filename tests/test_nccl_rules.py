@@ -133,3 +133,19 @@ def test_a_failed_wait_forgives_what_its_rank_left_in_flight():
              1: [*skipped[1], *_start("h", (0, 1))]}
     (problem,) = replay(later).problems
     assert "group h" in problem and "group g" not in problem, problem
+
+
+def test_what_a_rank_waited_for_before_a_failure_does_not_hold_up_what_it_does_next():
+    """The reliability table's record: a rank's grouped call sends its size row and
+    waits for the table back, which never comes (its peer's wait failed first); its own
+    wait fails too, and both go on to a new bridge. The failed call is forgiven and no
+    longer holds up the next; without the failures it is a deadlock."""
+    gather = ("p2p", "g", ((0, 19, F),), ((0, 76, F),))  # rank 1: its row out, the table in
+    records = {0: [*_start("g", (0, 1)), _recv("g", 1, 19), ("fail",), *_start("h", (0, 1)),
+                   _both("h", 1)],
+               1: [*_start("g", (0, 1)), gather, ("wait", 2), ("fail",), *_start("h", (0, 1)),
+                   _both("h", 0)]}
+    assert replay(records).problems == []
+    unfailed = {r: [e for e in events if e != ("fail",)] for r, events in records.items()}
+    (problem,) = replay(unfailed).problems
+    assert problem.startswith("deadlock") and "rank 1 stuck at its op 2 on group g" in problem

@@ -102,8 +102,11 @@ def _ops(records: dict[int, list[tuple]]) -> tuple[dict, dict, list[str], set[st
             if event[0] == "fail":
                 # a wait that failed (a timeout, a peer gone: an error the program sees
                 # on gloo, NCCL's watchdog on NCCL): what this rank had posted may never
-                # be taken, so its groups so far are forgiven as abandoned ones are
+                # be taken, so its groups so far are forgiven as abandoned ones are; and
+                # what it waited for before does not hold up what it does next (the
+                # program saw the error and went on: gloo's wait returned it)
                 abandoned.update(last)
+                waited = []
                 continue
             if event[0] == "wait":
                 op = by_index.get(event[1])
