@@ -72,7 +72,7 @@ def _compiled_check(ok, message) -> None:
                              "layouts (run the call eagerly to see which rank and why)")
 
 
-def holder_shapes(rows: torch.Tensor, ranks: tuple[int, ...], src: Layout,
+def holder_shapes(rows: torch.Tensor | list, ranks: tuple[int, ...], src: Layout,
                   ndim: int) -> dict:
     """The local shapes the src holders sent, one holder per piece, by rank, as SymInts
     under ``torch.compile``: only these entries of the table become unbacked SymInts
@@ -82,7 +82,10 @@ def holder_shapes(rows: torch.Tensor, ranks: tuple[int, ...], src: Layout,
     at = _holder_rows(ranks, src)
     if not at or not ndim:
         return {ranks[i]: () for i in at}
-    table = rows.view(len(ranks), -1)[at, HEADER:HEADER + ndim].tolist()
+    if isinstance(rows, list):  # host rows (a one-rank bridge's own: its shape's sizes)
+        table = [rows[i][HEADER:HEADER + ndim] for i in at]
+    else:
+        table = rows.view(len(ranks), -1)[at, HEADER:HEADER + ndim].tolist()
     return {ranks[i]: tuple(shape) for i, shape in zip(at, table)}
 
 
@@ -102,7 +105,7 @@ def _holder_rows(ranks: tuple[int, ...], src: Layout) -> list[int]:
     return at
 
 
-def learn_sizes(rows: torch.Tensor, ranks: tuple[int, ...], src: Layout, given: dict,
+def learn_sizes(rows: torch.Tensor | list, ranks: tuple[int, ...], src: Layout, given: dict,
                 print_: int, dtype: torch.dtype, context: str) -> dict:
     """Every dim's size from the gathered ``rows`` (a table, one row per rank of
     ``ranks``), ``given`` first. Eagerly a bad row raises :class:`MimoFxError` on every
@@ -113,7 +116,7 @@ def learn_sizes(rows: torch.Tensor, ranks: tuple[int, ...], src: Layout, given: 
     if compiling:
         shapes = holder_shapes(rows, ranks, src, ndim)
     else:
-        listed = rows.view(len(ranks), -1).tolist()
+        listed = rows if isinstance(rows, list) else rows.view(len(ranks), -1).tolist()
         problems = _row_problems(listed, ranks, src, print_, ndim, dtype)
         if problems:
             raise MimoFxError(context + "the size gather found:\n  " + "\n  ".join(problems))

@@ -128,7 +128,9 @@ def require_compiler(*, scalar_outputs: bool = False, unbacked_tensors: bool = F
     sums, a ragged dim's empty piece or gradient) is contiguous (``Eq(16*u78, 0)``), a
     data-dependent question it cannot answer, and the compile fails; the pass only
     replaces constant tensors by fill calls. Set by every bridge with a packed or a
-    ragged side.
+    ragged side, with Dynamo's ``capture_dynamic_output_shape_ops``: a row route's index
+    vectors are outputs whose length the batch sets, which a compile without
+    ``fullgraph=True`` would otherwise break the graph at.
     ``late_waits``: inductor's ``sink_waits`` pass (``reorder_for_compute_comm_overlap``
     with it among its passes), which moves each collective's wait to just before its
     output's first use: compute a step runs between a bridge call and the use of its
@@ -140,9 +142,11 @@ def require_compiler(*, scalar_outputs: bool = False, unbacked_tensors: bool = F
 
         dynamo_config.capture_scalar_outputs = True
     if unbacked_tensors:
+        from torch._dynamo import config as dynamo_config
         from torch._inductor import config as inductor_config
 
         inductor_config.joint_graph_constant_folding = False
+        dynamo_config.capture_dynamic_output_shape_ops = True
     if late_waits:
         from torch._inductor import config as inductor_config
 

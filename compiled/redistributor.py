@@ -516,7 +516,9 @@ class Redistributor:
         if len(self.union) == 1:  # (learned from its own tensor: no one to gather from)
             if not missing:
                 return full, frozenset()
-            return self.sizing.sizes_from(self.sizing.size_row(x).view(1, -1), full), \
+            # (its host row, not a tensor of it: under torch.compile the sizes are then
+            # its tensor's own, not unbacked reads that no shape of the graph matches)
+            return self.sizing.sizes_from([self.sizing.size_values(x)], full), \
                 frozenset(missing)
         if not self.sizing.gathers_sizes(missing) and not torch.compiler.is_compiling():
             key = (None if x is None else tuple(x.shape), tuple(full.items()))

@@ -154,19 +154,19 @@ class RowSizing(CallSizes):
 
         return Row.encode(x, 1 + len(self.features), self.print_)
 
-    def sizes_from(self, rows: torch.Tensor, known: dict, ranks=None) -> dict:
+    def sizes_from(self, rows: torch.Tensor | list, known: dict, ranks=None) -> dict:
         """The sizes the src holders' shapes show (see :mod:`.learn`): a box src's every
         dim; a row src's features only (its rows are its batch's)."""
         from .learn import learn_sizes
 
         ranks = ranks or self.union
-        table = rows.view(len(ranks), -1)
+        table = rows if isinstance(rows, list) else rows.view(len(ranks), -1)
         return self.sides[0].sizes_shown(
             lambda: learn_sizes(table, ranks, self.src, known, self.print_, self.dtype,
                                 self.context),
             lambda: self._features(table, known, ranks))
 
-    def _features(self, table: torch.Tensor, known: dict, ranks: tuple[int, ...]) -> dict:
+    def _features(self, table: torch.Tensor | list, known: dict, ranks: tuple[int, ...]) -> dict:
         """``known`` and the feature sizes the first src holder's row shows (each entry
         read is a SymInt in a graph: one holder's only)."""
         from .learn import HEADER
@@ -174,8 +174,11 @@ class RowSizing(CallSizes):
         out = dict(known)
         first = next(i for i, r in enumerate(ranks) if self.src.holds(r))
         at = HEADER + 1  # (after the header, the local shape: its row count, then these)
-        row = table[first, at:at + len(self.features)]
-        for d, size in zip(self.features, row.tolist()):
+        if isinstance(table, list):  # (host rows: a one-rank bridge's own shape)
+            row = table[first][at:at + len(self.features)]
+        else:
+            row = table[first, at:at + len(self.features)].tolist()
+        for d, size in zip(self.features, row):
             out.setdefault(d, size)
         return out
 

@@ -735,3 +735,51 @@ def test_box_and_packed_layouts_answer_one_row_side_protocol():
     assert packed.count_rows({"h": 1}, ("t",)) == {"h": 1, "t": n}
     with pytest.raises(MimoFxError, match="holds 9 rows but the sizes of"):
         packed.count_rows({"t": n + 1, "h": 1}, ("t",))
+
+
+def _one_rank(rank, world):
+    """A packed bridge on a one-rank world, compiled with and without ``fullgraph``, the
+    row width learned from the rank's own tensor: per mode, each step's output, input
+    gradient and cotangent."""
+    from mimo_fx.compiled import destroy, prepare
+
+    src = Layout(Grid(dp=1), "(dp t) h", ragged="dp")
+    out = {}
+    for backend, fullgraph in (("aot_eager", True), ("aot_eager", False), ("inductor", False)):
+        torch._dynamo.reset()
+
+        @torch.compile(backend=backend, fullgraph=fullgraph)
+        def step(x, images, weight):
+            y = redistribute(x, src, images)
+            return (y * weight).sum(), y
+
+        got = []
+        for k, (lengths, picked) in enumerate((([5, 6], [0, 2, 9]), ([3, 4, 2], [8, 1]))):
+            images = PackedLayout(Grid(cp=1), "t h", [lengths]).select(picked)
+            if k == 0:
+                prepare(src, images, dtype=torch.float64)
+            x = torch.randn(len(picked), H, generator=torch.Generator().manual_seed(k),
+                            dtype=torch.float64, requires_grad=True)
+            weight = torch.randn(shard(x.detach(), images)[0].shape, dtype=torch.float64)
+            loss, y = step(x, images, weight)
+            loss.backward()
+            got.append((x.detach(), images, y.detach(), x.grad, weight))
+        out[backend, fullgraph] = got
+    destroy()
+    return out
+
+
+@pytest.mark.slow  # compiles with inductor
+def test_a_one_rank_packed_bridge_compiles_with_or_without_fullgraph(worlds):
+    """Before: with ``fullgraph=True`` "Pending unbacked symbols not in returned outputs"
+    (the row width, learned from the rank's own shape, was an unbacked read no shape of
+    the graph matched); without it, a graph break at the route op, then a data-dependent
+    guard in the op's own Python."""
+    (results,) = worlds.run(1, _one_rank, timeout=600)
+    for mode, steps in results.items():
+        for x, images, y, grad, weight in steps:
+            xr = x.clone().requires_grad_()
+            want = shard(xr, images)[0]
+            assert torch.equal(y, want.detach()), mode
+            (want_grad,) = torch.autograd.grad(want, xr, weight)
+            assert torch.equal(grad, want_grad), mode
