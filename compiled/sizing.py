@@ -111,9 +111,10 @@ class CallSizes:
 
         return int_tensor(self.size_values(x), "cpu")
 
-    def sizes_from(self, rows: torch.Tensor, known: dict, ranks=None) -> dict:
-        """Every size from the gathered rows of ``ranks`` (default: both grids'),
-        ``known`` first; a bad row raises the same error on every rank."""
+    def sizes_from(self, rows: torch.Tensor | list, known: dict, ranks=None) -> dict:
+        """Every size from the gathered rows of ``ranks`` (default: both grids'; a
+        tensor, or host rows: a one-rank bridge's own), ``known`` first; a bad row
+        raises the same error on every rank."""
         raise NotImplementedError
 
     def shape(self, side: str, rank: int, full: dict) -> tuple | None:
@@ -284,7 +285,7 @@ class Sizing(CallSizes):
 
         return Row.encode(x, len(self.src.local_dims), self.print_)
 
-    def sizes_from(self, rows: torch.Tensor, known: dict, ranks=None) -> dict:
+    def sizes_from(self, rows: torch.Tensor | list, known: dict, ranks=None) -> dict:
         from .learn import learn_sizes
 
         return learn_sizes(rows, ranks or self.union, self.src, known,
