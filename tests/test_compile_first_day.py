@@ -378,8 +378,16 @@ def test_changing_shapes_compile_two_graphs_per_rank(item3, case):
     # the first shape static, the second makes the shape dynamic: one graph serves the rest,
     # uneven shapes too (the rows dim, which the destination leaves whole or cuts into
     # as many shards, is ragged over DTensor's chunk sizes, which the bridge takes per
-    # call; nested chunks where two mesh dims cut it)
-    assert [res[case]["right"]["graphs"] for res in item3] == [2] * 4
+    # call; nested chunks where two mesh dims cut it). On torch 2.14 DTensor's own
+    # tracing of a nested Shard(0) input guards on its size's parity
+    # (placement_types.py, local_shard_size_and_offset: "(d.size()[0] % 2) != 0"), so
+    # NESTED's first even size (10, after 9 and 13) compiles once more there
+    want = 3 if "nested" in case and _torch_at_least(2, 14) else 2
+    assert [res[case]["right"]["graphs"] for res in item3] == [want] * 4
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    return tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (major, minor)
 
 
 @pytest.mark.parametrize("case", ["shard/even/dynamic", "replicate/even/dynamic",
