@@ -306,13 +306,17 @@ def post(pg, members: tuple[int, ...], sends: list, recvs: list) -> list:
     ops += [dist.P2POp(dist.irecv, t, group=pg, group_peer=j) for j, t in recvs]
     if not ops:
         return []
-    try:
-        works = dist.batch_isend_irecv(ops)
-    except RuntimeError as err:  # (its peer may have left already)
-        peers = {members[j] for j, _ in [*sends, *recvs]}
-        if len(peers) == 1:
-            err.peer = peers.pop()  # type: ignore[attr-defined]
-        raise
+    pairs = [*sends, *recvs]
+    if coalesces(pg, pairs[0][1].device):
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as err:  # (its peer may have left already)
+            peers = {members[j] for j, _ in pairs}
+            if len(peers) == 1:
+                err.peer = peers.pop()  # type: ignore[attr-defined]
+            raise
+    else:
+        works = _in_turn(ops, [members[j] for j, _ in pairs])
     if rules():
         i = note("p2p", pg.group_name,
                  tuple((members[j], t.numel(), str(t.dtype)) for j, t in sends),
@@ -325,6 +329,22 @@ def post(pg, members: tuple[int, ...], sends: list, recvs: list) -> list:
     if len(works) == len(ops):  # (one work per message: its peer known)
         for work, (j, _) in zip(works, [*sends, *recvs]):
             peers_[id(work)] = members[j]
+    return works
+
+
+def _in_turn(ops: list, peers: list[int]) -> list:
+    """``batch_isend_irecv(ops)`` where the backend does not coalesce: torch's own call
+    posts each operation in turn there, as here, one call each; a posting that fails (its
+    peer has left: gloo's send to a closed pair raises at once) names that peer."""
+    import torch.distributed as dist
+
+    works = []
+    for op, peer in zip(ops, peers):
+        try:
+            works += dist.batch_isend_irecv([op])
+        except RuntimeError as err:
+            err.peer = peer  # type: ignore[attr-defined]
+            raise
     return works
 
 
