@@ -352,7 +352,7 @@ class Redistributor:
             # no backward on any rank: skip the autograd.Function layer (tens of µs a call)
             env_map = None if env is None else dict(zip(self.sizing.variables, env))
             (y,) = self.executor.run(fwd, (x,), env_map, index)
-            return y
+            return self.sizing.finish(y)
         if torch.compiler.is_compiling():
             # Dynamo traces an autograd.Function's own backward only for inputs it sees as
             # requiring grad, and it does not see that of a tensor a torch.func transform
@@ -361,7 +361,7 @@ class Redistributor:
             # input an op's output, whose requirement Dynamo does see.
             x = x.view(x.shape)
         (y,) = apply(self.executor, fwd, bwd, (x,), env, self.sizing.variables, index)
-        return self._keep(y)
+        return self._keep(self.sizing.finish(y))
 
     # -- whether a call's backward runs: a frozen source ---------------------------------
     def _backward_runs(self, x) -> bool:
@@ -614,11 +614,12 @@ class Pending:
         x, fwd, bwd, env, index = self._args
         if not self._grad:
             (y,) = self._run.finish()
+            y = bridge.sizing.finish(y)
         else:
             resume = _Resume(bridge.executor, self._run)
             with torch.enable_grad():
                 (y,) = apply(resume, fwd, bwd, (x,), env, bridge.sizing.variables, index)
-            y = bridge._keep(y)
+                y = bridge._keep(bridge.sizing.finish(y))
         self._result, self._done = y, True
         del self._args, self._run
         return y

@@ -29,12 +29,14 @@ from mimo_fx.plan import RankPlan, row_plans, size_arguments
 from mimo_fx.rows import (
     ROUTE_INDEX,
     RowTiling,
+    feature_slices,
     is_row_pair,
     plan_layouts,
     ragged_rows,
     route_tensors,
     row_dims,
     row_side,
+    whole_features,
 )
 
 from . import lowering, straight
@@ -77,6 +79,18 @@ class RowSizing(CallSizes):
                  grad_partial: tuple[str, ...], rank: int, context: str,
                  rows: tuple[str, ...] = (), device=None) -> None:
         self.row_dims = rows or row_dims(src, dst)
+        # a box dst that cuts features (``(cp t) (tp h)``) gets whole rows, as the layout
+        # without those cuts would (every rank of their axes all of each row, tp times
+        # the bytes of the cut), and keeps its slices (:meth:`finish`); the cotangents of
+        # those ranks, zero off their slices, sum (partial over the axes)
+        whole = whole_features(dst) if rows else dst
+        self.slices = feature_slices(dst, fixed or {}, rank) if whole != dst else ()
+        if whole != dst:
+            grad_partial = (*grad_partial, *(a for a in dst.sharded_axes
+                                             if a not in whole.sharded_axes))
+            self.cut_dst, dst = dst, whole
+        else:
+            self.cut_dst = dst
         # the route's index vectors index the data: on its device (its counts, host
         # metadata, stay on the CPU)
         self.device = torch.device("cpu" if device is None else device)
@@ -259,7 +273,18 @@ class RowSizing(CallSizes):
             return None
         fwd, _ = self.plan(*self._last, full, rank)
         tiling = cast(RowTiling, fwd.source if side == "src" else fwd.need)
-        return (len(tiling.rows.get(rank, ())), *(full[d] for d in self.features))
+        shape = [len(tiling.rows.get(rank, ())), *(full[d] for d in self.features)]
+        for at, _, length in (self.slices if side == "dst" and rank == self.rank else ()):
+            shape[at] = length
+        return tuple(shape)
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's dst piece from the rows it got: its slices of the features its dst
+        cuts (autograd pads the cotangent back with zeros)."""
+        for at, start, length in self.slices:
+            y = y.narrow(at, start, length)
+        # (a copy: a view would keep every whole row alive)
+        return y.contiguous() if self.slices else y
 
     def summary(self) -> list[str]:
         return [f": a row bridge, one all_to_all over {len(self.union)} ranks each way; "

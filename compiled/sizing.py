@@ -128,6 +128,11 @@ class CallSizes:
             return None
         return local_shape(layout, Tiling.of(layout, self.src.dims, full), rank)
 
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """A call's result from its forward program's output: that output itself (a row
+        bridge into cut features keeps its slices: :meth:`.rows.RowSizing.finish`)."""
+        return y
+
     def summary(self) -> list[str]:
         """What the debug log says of the bridge's programs when it is built, a line
         each (each starts with ``": "`` or ``" "`` after the bridge's label)."""
@@ -266,6 +271,7 @@ class Sizing(CallSizes):
                         lowering.evaluator(self.bwd_program))
         else:
             self.fwd_program = self.bwd_program = None  # type: ignore[assignment]
+            self.rows_hint = self._rows_hint()  # (said while a trace fails: made now)
         straight.attach(self.fwd_program, self.bwd_program)
 
     @property
@@ -315,11 +321,27 @@ class Sizing(CallSizes):
             raise_now(
                 self.context + f"sizes learned under torch.compile must fit the bridge's "
                 f"template ({t.describe() if t else 'none: its plan depends on the sizes'}); "
-                f"give the sizes in the call, or run these sizes eagerly")
+                f"give the sizes in the call, or run these sizes eagerly"
+                + getattr(self, "rows_hint", ""))
         # sizes the template does not serve: a graph of their own (Dynamo specialises)
         key = _size_key({d: _concrete(n) for d, n in full.items()})
         fwd, bwd = _programs_for(self.name, key)
         return Programs(fwd, bwd, None)
+
+    def _rows_hint(self) -> str:
+        """How this bridge would move every count in one graph, where its layouts allow:
+        built with the sizes of the features its dst cuts (it then moves whole rows)."""
+        from mimo_fx.rows import ragged_rows
+
+        ragged = {*self.src.ragged_dims, *self.dst.ragged_dims}
+        features = {d: 1 for d in self.src.dims if d not in self.fixed and d not in ragged}
+        rows = ragged_rows(self.src, self.dst, {**self.fixed, **features})
+        cut = [d for d in features if self.dst.sharding[d]]
+        if not rows or not cut:
+            return ""
+        return (f"; or build the bridge with the sizes of {', '.join(map(repr, cut))} (e.g. "
+                f"{{{', '.join(f'{d!r}: ...' for d in cut)}}}): it then moves whole rows of "
+                f"{rows[0]!r}, one graph for every count")
 
     def _fits_compiled(self, t: Template, full: dict, learned: frozenset) -> bool:
         """Whether traced sizes fit the template: a learned size is asserted to (the

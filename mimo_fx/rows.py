@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -605,6 +605,59 @@ def check_box_side(layout, rows: tuple[str, ...]) -> None:
             f"other dim a whole feature; reshape or redistribute to such a layout first")
 
 
+def whole_features(layout):
+    """``layout`` with its features whole: the axes that cut a local dim after the rows
+    (e.g. ``tp`` of ``(cp t) (tp h)``) replicate it instead (``(cp t) h``); the layout
+    itself where none does. A row plan moves whole rows; a bridge into cut features
+    moves them whole to every rank of those axes, and each keeps its slice
+    (:func:`feature_slices`)."""
+    from .layout import Layout, _format_group
+
+    groups = layout.local_dims
+    cut = {a for g in groups[1:] for f in g for a in f.axes}
+    if not cut:
+        return layout
+    pattern = " ".join([_format_group(groups[0])] + [" ".join(f.dim for f in g)
+                                                     for g in groups[1:]])
+    return Layout(layout.grid, pattern, partial=layout.partial, at=dict(layout.at),
+                  zigzag=[a for a in layout.zigzag if a not in cut], split=layout.split,
+                  ragged=layout.ragged)
+
+
+def feature_slices(layout, sizes: Mapping[str, object], rank: int
+                   ) -> tuple[tuple[int, int, int], ...]:
+    """``(local dim, start, length)`` of ``rank``'s slice of each feature ``layout``
+    cuts (local dims after the rows; ``sizes``: the features' sizes), in the row of
+    :func:`whole_features`' layout; () where it cuts none or ``rank`` holds nothing."""
+    from .regions import Tiling
+
+    groups = layout.local_dims
+    dims = tuple(g[0].dim for g in groups[1:] if g[0].axes)
+    if not dims or not layout.holds(rank):
+        return ()
+    tiling = Tiling.of(layout, dims, {d: cast(int, sizes[d]) for d in dims})
+    out = []
+    for k, (t, owner) in enumerate(zip(tiling.tilings, tiling.owners(rank))):
+        (start, stop), = t.owned(owner) or ((0, 0),)
+        at = next(i for i, g in enumerate(groups) if g[0].dim == dims[k])
+        out.append((at, start, stop - start))
+    return tuple(out)
+
+
+def _cut_features_fixed(layout, rows: tuple[str, ...], fixed: Mapping[str, object]) -> bool:
+    """Whether ``layout`` holds whole rows and cuts its features only evenly or by
+    ``tensor_split``/``chunk``, one axis group a feature, each of a size in ``fixed``
+    (a bridge into it then moves whole rows: :func:`whole_features`)."""
+    groups = layout.local_dims
+    if tuple(f.dim for f in groups[0]) != rows or layout.partial:
+        return False
+    rest = groups[1:]
+    if any(len(g) != 1 for g in rest):
+        return False
+    cut = [g[0] for g in rest if g[0].axes]
+    return all(f.dim in fixed and not set(f.axes) & set(layout.zigzag) for f in cut)
+
+
 def _counted(layout, grad_partial: tuple[str, ...]) -> list[int]:
     """The ranks whose cotangents count: one replica per set of replicas over the axes
     not in ``grad_partial`` (their coordinate 0)."""
@@ -669,8 +722,8 @@ def ragged_rows(src, dst, fixed: Mapping[str, object]) -> tuple[str, ...]:
     """The dim two box layouts move as rows, where a template cannot serve them: a free
     ragged dim (not in ``fixed``) that one layout cuts at its counts and the other evenly
     (the pieces are then intersections of two sets of bounds, no polynomial of the
-    counts), when both layouts hold whole rows of it (:func:`check_box_side`); () if
-    none."""
+    counts), when both layouts hold whole rows of it (:func:`check_box_side`; dst may
+    cut features whose sizes are ``fixed``: see :func:`whole_features`); () if none."""
     from .layout import Layout
 
     if not (isinstance(src, Layout) and isinstance(dst, Layout)):
@@ -681,8 +734,10 @@ def ragged_rows(src, dst, fixed: Mapping[str, object]) -> tuple[str, ...]:
             continue
         try:
             check_box_side(src, (d,))
-            check_box_side(dst, (d,))
+            check_box_side(whole_features(dst), (d,))
         except MimoFxError:
             return ()
-        return (d,)
+        # (a dst that cuts features gets whole rows and keeps its slices: the features
+        # of a size built in)
+        return (d,) if _cut_features_fixed(dst, (d,), fixed) else ()
     return ()

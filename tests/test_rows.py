@@ -783,3 +783,33 @@ def test_a_one_rank_packed_bridge_compiles_with_or_without_fullgraph(worlds):
             assert torch.equal(y, want.detach()), mode
             (want_grad,) = torch.autograd.grad(want, xr, weight)
             assert torch.equal(grad, want_grad), mode
+
+
+@pytest.mark.parametrize("pattern, split, sizes", [
+    ("(cp t) (tp h)", "tensor_split", {"t": 6, "h": 3}),
+    ("(cp t) (tp h)", "chunk", {"t": 6, "h": 3}),
+    ("(cp t) (tp a) b", "tensor_split", {"t": 4, "a": 5, "b": 2}),
+    ("(cp t) a (tp b)", "tensor_split", {"t": 4, "a": 2, "b": 7}),
+    ("(cp t) (tp dp a)", "tensor_split", {"t": 4, "a": 9}),
+])
+def test_a_dst_that_cuts_features_is_its_whole_rows_sliced(pattern, split, sizes):
+    """A row bridge into cut features moves whole rows (the layout without those cuts)
+    and each rank keeps its slices: the oracle's pieces of both layouts agree."""
+    from mimo_fx.rows import feature_slices, whole_features
+
+    grid = Grid(cp=2, tp=2, dp=2)
+    dst = Layout(grid, pattern, split=split)
+    whole = whole_features(dst)
+    assert [len(g) for g in whole.local_dims[1:]] == [1] * (len(dst.local_dims) - 1)
+    assert not any(f.axes for g in whole.local_dims[1:] for f in g)
+    X = torch.arange(math.prod(sizes.values()), dtype=torch.float64).reshape(
+        *sizes.values())
+    mine, rows = shard(X, dst), shard(X, whole)
+    for r in grid.ranks:
+        y = rows[r]
+        slices = feature_slices(dst, sizes, r)
+        assert slices, r
+        for at, start, length in slices:
+            y = y.narrow(at, start, length)
+        assert torch.equal(y, mine[r]), (r, slices)
+    assert whole_features(whole) is whole and feature_slices(whole, sizes, 0) == ()

@@ -264,7 +264,8 @@ def _run_example(rank: int, world: int) -> dict:
 
 def _ragged_to_even(rank: int, backend: str) -> dict:
     """Counts learned under torch.compile, from a ragged encoder dim into an even CP cut
-    (ranks 0-1 -> ranks 2-3, and into zigzag CP when the total allows): no template
+    (ranks 0-1 -> ranks 2-3, and into zigzag CP when the total allows; and into CP×TP
+    on all four, its features cut too): no template
     serves them (the pieces are intersections of two sets of bounds), so the bridge
     routes them as rows; values and gradients the oracle's, at most two graphs."""
     import torch._dynamo as dynamo
@@ -276,7 +277,9 @@ def _ragged_to_even(rank: int, backend: str) -> dict:
     out: dict = {}
     src = Layout(Grid(dp=2), "(dp t) h", ragged="dp")
     for name, dst in (("even", Layout(Grid(cp=2, offset=2), "(cp t) h")),
-                      ("zigzag", Layout(Grid(cp=2, offset=2), "(cp t) h", zigzag="cp"))):
+                      ("zigzag", Layout(Grid(cp=2, offset=2), "(cp t) h", zigzag="cp")),
+                      # (features cut too, unevenly: h=3 over tp=2, on all 4 ranks)
+                      ("cut_features", Layout(Grid(cp=2, tp=2), "(cp t) (tp h)"))):
         bridge = Redistributor(src, dst, {"h": 3}, torch.float64)
         dynamo.reset()
         before = _graphs()
@@ -323,8 +326,28 @@ def _world4(rank: int, world: int) -> dict:
     return {"aot_eager": {"b": _scenario_b(rank, "aot_eager", Grid(dp=2), Grid(cp=2, offset=2)),
                           "outside": _outside_the_template(rank, Grid(dp=4),
                                                            Grid(cp=2, dp=2)),
-                          "ragged_to_even": _ragged_to_even(rank, "aot_eager")},
+                          "ragged_to_even": _ragged_to_even(rank, "aot_eager"),
+                          "cut_unsized": _cut_features_unsized(rank)},
             "inductor": {**_inductor4(rank), "ragged_to_even": _ragged_to_even(rank, "inductor")}}
+
+
+def _cut_features_unsized(rank: int) -> str:
+    """Learned counts into a dst that cuts a feature the bridge was not built with the
+    size of: what a traced call says."""
+    from mimo_fx.compiled import Redistributor
+    from mimo_fx.reference import shard
+
+    src = Layout(Grid(dp=2), "(dp t) h", ragged="dp")
+    bridge = Redistributor(src, Layout(Grid(cp=2, tp=2), "(cp t) (tp h)"), dtype=torch.float64,
+                           frozen=True)
+    x = shard(torch.randn(8, 4, dtype=torch.float64), src, t=(5, 3)).get(rank)
+    try:
+        torch.compile(bridge, backend="aot_eager", fullgraph=True)(x)
+        return "returned"
+    except Exception as err:  # (Dynamo's wrapper, around the bridge's MimoFxError)
+        return str(err)
+    finally:
+        bridge.destroy()
 
 
 def _inductor4(rank: int) -> dict:
@@ -398,6 +421,13 @@ def test_learned_counts_into_an_even_cp_cut_compile_exactly(world4, backend):
         for name, got in res[backend]["ragged_to_even"].items():
             assert got["problems"] == [] and got["rows"] == "RowSizing", (rank, name, got)
             assert got["graphs"] <= 2, (rank, name, got)
+
+
+def test_learned_counts_into_cut_features_of_no_given_size_say_how(world4):
+    for rank, res in enumerate(world4):
+        said = res["aot_eager"]["cut_unsized"]
+        assert "sizes learned under torch.compile must fit" in said, (rank, said)
+        assert "build the bridge with the sizes of 'h'" in said, (rank, said)
 
 
 def test_the_docs_example_runs_in_two_graphs_and_equals_full_tensor_math(world8):
