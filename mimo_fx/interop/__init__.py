@@ -1,15 +1,16 @@
-"""Interop with PyTorch's own distributed types: :mod:`.dtensor` moves DTensors between
-meshes with mimo_fx plans and converts meshes and placements to layouts and back.
+"""Interop with other libraries' distributed types: :mod:`.dtensor` moves DTensors between
+meshes with mimo_fx plans and converts meshes and placements to layouts and back;
+:mod:`.megatron` offers Megatron-Core's bridge communicators (one import changed).
 
-``import mimo_fx`` is enough: ``mimo_fx.interop.dtensor`` is imported on first use (it
-imports DTensor, which ``import mimo_fx`` does not pay for).
+``import mimo_fx`` is enough: each is imported on first use (``dtensor`` imports DTensor,
+which ``import mimo_fx`` does not pay for).
 """
 
-__all__ = ["dtensor"]
+__all__ = ["dtensor", "megatron"]
 
 
 def __getattr__(name: str):
-    """``mimo_fx.interop.dtensor``, imported on first use."""
+    """``mimo_fx.interop.dtensor`` / ``.megatron``, imported on first use."""
     if name in __all__:
         import importlib
 

@@ -1,0 +1,404 @@
+"""Megatron-Core's MIMO bridge communicators on mimo_fx: a training script changes one import.
+
+::
+
+    # from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+    # from megatron.core.models.mimo.comm.colocated_communicator import (
+    #     ColocatedBridgeCommunicator)
+    from mimo_fx.interop.megatron import BridgeCommunicator, ColocatedBridgeCommunicator
+
+Both classes take Megatron-Core 0.19's constructor arguments and give its methods' results
+(shapes, dtypes, which ranks get a tensor and which get None), built on mimo_fx's bridges
+(:class:`~mimo_fx.compiled.Bridge` for the pipelined one, a
+:class:`~mimo_fx.compiled.Redistributor` for the colocated one) and nothing beside them.
+A grid is Megatron's own ``HyperCommGrid`` or any object with its ``shape``,
+``dim_names`` and ``rank_offset`` (read, never imported: megatron-core is not a
+dependency). How the pieces map:
+
+1. A grid is :class:`~mimo_fx.grid.Grid` of the same axes and ranks (both count the
+   first dim fastest).
+2. The tensor's layout is Megatron's: each DP replica holds its part of the batch dim
+   (``dim_mapping['b']``; dim 0 of a 2-D ``[B*S, H]`` tensor), replicated over the other
+   axes, cut as ``torch.tensor_split`` cuts it; with CP > 1 the sequence dim is cut over
+   ``cp``, zigzag as Megatron's CP splits it (``zigzag=False``: in order).
+3. A pipelined grid with PP > 1 moves data at its boundary stage only (the source's last,
+   the destination's first): the layout is pinned there (``at={"pp": ...}``); the other
+   stages' ranks make the same calls, which move nothing and return None, as there.
+
+Beyond Megatron, each a keyword whose default is Megatron's behaviour: CP > 1 on either
+side; ``variable_tokens=True`` (each DP replica its own token count, learned per call);
+``frozen=True`` (no backward transfer on any rank, agreed when built); ``sizes=`` (fixed
+sizes: no shape exchange per call). Sends are asynchronous already: ``send_forward``
+returns once its messages are posted. See ``docs/megatron.md``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mimo_fx.errors import MimoFxError
+from mimo_fx.grid import Grid
+from mimo_fx.layout import Layout
+
+__all__ = ["BridgeCommunicator", "ColocatedBridgeCommunicator", "SliceInfo", "grid_of",
+           "megatron_layout"]
+
+DEFAULT_MAPPING = {"b": 0, "s": 1, "h": 2}
+
+
+def grid_of(grid) -> Grid:
+    """The mimo_fx grid of a Megatron ``HyperCommGrid`` (or any object with its
+    ``shape``, ``dim_names`` and ``rank_offset``)."""
+    try:
+        shape, names, offset = list(grid.shape), list(grid.dim_names), grid.rank_offset
+    except (AttributeError, TypeError):
+        raise MimoFxError(f"{grid!r} is not a grid: a Megatron HyperCommGrid (or an object "
+                          f"with its shape, dim_names and rank_offset) is needed") from None
+    if len(shape) != len(names) or len(set(names)) != len(names):
+        raise MimoFxError(f"grid shape {shape} and dim_names {names} must pair one size with "
+                          f"each of distinct names")
+    return Grid(offset=int(offset), **{str(n): int(s) for n, s in zip(names, shape)})
+
+
+def _size(grid: Grid, axis: str) -> int:
+    return grid.axis_size(axis) if axis in grid.names else 1
+
+
+def _check_mapping(dim_mapping: dict | None, keys: Sequence[set]) -> dict:
+    mapping = dict(DEFAULT_MAPPING if dim_mapping is None else dim_mapping)
+    if set(mapping) not in keys or sorted(mapping.values()) != list(range(len(mapping))):
+        raise MimoFxError(
+            f"dim_mapping={dim_mapping!r} must map "
+            f"{' or '.join(repr(sorted(k)) for k in keys)} to the tensor dims 0.. each "
+            f"once, e.g. {{'b': 0, 's': 1, 'h': 2}} for [B, S, H] or {{'s': 0, 'b': 1, "
+            f"'h': 2}} for [S, B, H]")
+    return mapping
+
+
+def megatron_layout(grid, dim_mapping: dict | None = None, tensor_ndim: int = 3, *,
+                    stage: int | None = None, zigzag: bool = True,
+                    variable_tokens: bool = False) -> Layout:
+    """The layout Megatron's communicators give a tensor on ``grid``: the batch dim
+    (``dim_mapping['b']``, or dim 0 of a 2-D tensor, ``[B*S, H]``, named ``t``) cut over
+    ``dp`` with ``torch.tensor_split``'s sizes (ragged, one count per replica, with
+    ``variable_tokens``), the sequence dim over ``cp`` (zigzag unless ``zigzag=False``),
+    the rest replicated; pinned to pipeline stage ``stage`` (e.g. -1) where the grid has
+    ``pp`` > 1.
+
+    >>> from mimo_fx.grid import Grid
+    >>> megatron_layout(Grid(tp=2, cp=2, pp=2, dp=2), {"s": 0, "b": 1, "h": 2}, stage=0)
+    Layout(Grid(tp=2, cp=2, pp=2, dp=2), '(cp s) (dp b) h', at={'pp': 0}, zigzag=('cp',))
+    """
+    g = grid if isinstance(grid, Grid) else grid_of(grid)
+    dp, cp = ("dp" if "dp" in g.names else None), _size(g, "cp")
+    if tensor_ndim == 2:
+        if cp > 1:
+            raise MimoFxError(
+                f"a 2-D [B*S, H] tensor on {g!r} with cp={cp}: its sequence is folded into "
+                f"dim 0, so CP cannot cut it; bridge the 3-D [B, S, H] (or [S, B, H]) "
+                f"tensor, or build the destination on CP=1")
+        dims = [f"({dp} t)" if dp else "t", "h"]
+    elif tensor_ndim == 3:
+        mapping = _check_mapping(dim_mapping, ({"b", "s", "h"},))
+        dims = [""] * 3
+        dims[mapping["b"]] = f"({dp} b)" if dp else "b"
+        dims[mapping["s"]] = "(cp s)" if cp > 1 else "s"
+        dims[mapping["h"]] = "h"
+    else:
+        raise MimoFxError(f"tensor_ndim={tensor_ndim!r} must be 2 ([B*S, H]) or 3 "
+                          f"([B, S, H] in dim_mapping's order)")
+    at = {"pp": stage} if stage is not None and _size(g, "pp") > 1 else None
+    ragged = (dp,) if variable_tokens and dp else ()
+    return Layout(g, " ".join(dims), at=at, zigzag=("cp",) if cp > 1 and zigzag else (),
+                  ragged=ragged)
+
+
+def _layout_2d(grid, dim_mapping: dict, **kw) -> Layout:
+    """A colocated 2-D layout: ``dim_mapping`` ``{'b': i, 'h': j}`` ([S*B, H] or [H, S*B])."""
+    g = grid if isinstance(grid, Grid) else grid_of(grid)
+    dims = [""] * 2
+    dp = "dp" if "dp" in g.names else None
+    dims[dim_mapping["b"]] = f"({dp} b)" if dp else "b"
+    dims[dim_mapping["h"]] = "h"
+    ragged = (dp,) if kw.get("variable_tokens") and dp else ()
+    return Layout(g, " ".join(dims), ragged=ragged)
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the pipelined communicators not yet destroyed
+
+
+class BridgeCommunicator:
+    """Megatron-Core's pipelined ``BridgeCommunicator`` (source and destination on
+    different ranks, called from the pipeline schedule), on a mimo_fx
+    :class:`~mimo_fx.compiled.Bridge`.
+
+    Megatron's arguments: ``src_grid``, ``dest_grid``, ``dim_mapping`` (keys ``s``, ``b``,
+    ``h``; default ``[B, S, H]``), ``comm_dtype`` (the dtype moved and returned; default
+    the default dtype, as there), ``src_module_name``, ``dest_module_name``,
+    ``tensor_ndim`` (3, or 2 for ``[B*S, H]``). Every rank of the world builds it, as
+    there, and every rank of both grids makes the schedule's calls (off the boundary
+    stage they move nothing and return None).
+
+    Beyond Megatron (keyword-only; defaults are Megatron's behaviour): ``zigzag`` (how a
+    CP > 1 side cuts the sequence; Megatron's own communicator refuses CP > 1),
+    ``variable_tokens`` (each DP replica its own count on the batch dim, learned per
+    call), ``frozen`` (the source needs no gradient: no backward transfer; the backward
+    calls return None), ``sizes`` (fixed ``{"b": .., "s": .., "h": ..}``, or ``t``/``h``
+    in 2-D: no per-call shape exchange), ``checked`` (every call's shapes checked on
+    every rank first).
+    """
+
+    def __init__(self, src_grid, dest_grid, dim_mapping: dict | None = None,
+                 comm_dtype: torch.dtype | None = None, src_module_name: str | None = None,
+                 dest_module_name: str | None = None, tensor_ndim: int = 3, *,
+                 zigzag: bool = True, variable_tokens: bool = False, frozen: bool = False,
+                 sizes: dict | None = None, checked: bool = False) -> None:
+        from mimo_fx.compiled import Bridge
+
+        if tensor_ndim not in (2, 3):
+            raise MimoFxError(f"tensor_ndim must be 2 or 3, got {tensor_ndim!r}")
+        self.src_grid, self.dest_grid = src_grid, dest_grid
+        self.src_module_name, self.dest_module_name = src_module_name, dest_module_name
+        self.comm_dtype, self.tensor_ndim = comm_dtype, tensor_ndim
+        self.dim_mapping = (_check_mapping(dim_mapping, ({"b", "s", "h"},))
+                            if tensor_ndim == 3 or dim_mapping is not None else
+                            dict(DEFAULT_MAPPING))
+        self.current_rank = dist.get_rank()
+        kw = {"zigzag": zigzag, "variable_tokens": variable_tokens}
+        self.src = megatron_layout(src_grid, self.dim_mapping, tensor_ndim, stage=-1, **kw)
+        self.dst = megatron_layout(dest_grid, self.dim_mapping, tensor_ndim, stage=0, **kw)
+        if set(self.src.grid.ranks) & set(self.dst.grid.ranks):
+            raise MimoFxError(
+                f"BridgeCommunicator's grids share ranks ({self.src.grid!r} and "
+                f"{self.dst.grid!r}); for modules on the same ranks use "
+                f"ColocatedBridgeCommunicator")
+        dtype = comm_dtype if comm_dtype is not None else torch.get_default_dtype()
+        self._bridge = Bridge(self.src, self.dst, sizes, dtype, frozen=frozen,
+                              checked=checked)
+        self.frozen = frozen
+        _LIVE.add(self)
+
+    # -- Megatron's queries -------------------------------------------------------------
+    def is_current_rank_in_grid(self, grid) -> bool:
+        """Whether this rank is in ``grid`` (any stage)."""
+        return grid.rank_offset <= self.current_rank < grid.rank_offset + grid_of(grid).size
+
+    def _check(self, grid, call: str, side: str) -> None:
+        """Raise as Megatron does where this rank is not in the grid ``call`` belongs to."""
+        if not self.is_current_rank_in_grid(grid):
+            raise MimoFxError(f"[Bridge Communicator] [{call}] rank {self.current_rank} is not "
+                              f"in the {side} grid ({grid_of(grid)!r}); {call} runs on the "
+                              f"{side} grid's ranks")
+
+    def _mine(self, layout: Layout, tensor):
+        """What this rank passes (None off the boundary stage, whose ranks make the calls
+        as Megatron's do, moving nothing)."""
+        return tensor if layout.holds(self.current_rank) else None
+
+    def _result(self, layout: Layout, tensor):
+        return tensor if layout.holds(self.current_rank) else None
+
+    # -- the calls ----------------------------------------------------------------------
+    def send_forward(self, tensor_to_send: torch.Tensor) -> None:
+        """Send this rank's activation to the destination grid; returns once it is
+        posted (the data in flight)."""
+        self._check(self.src_grid, "send_forward", "source")
+        self._bridge.send_forward(self._mine(self.src, tensor_to_send))
+
+    def recv_forward(self) -> torch.Tensor | None:
+        """This rank's activation from the source grid (None off the first stage)."""
+        self._check(self.dest_grid, "recv_forward", "destination")
+        return self._result(self.dst, self._bridge.recv_forward())
+
+    def send_backward(self, grad_tensor: torch.Tensor) -> None:
+        """Send the gradient of this rank's activation back to the source grid."""
+        self._check(self.dest_grid, "send_backward", "destination")
+        if not self.frozen:
+            self._bridge.send_backward(self._mine(self.dst, grad_tensor))
+
+    def recv_backward(self) -> torch.Tensor | None:
+        """The gradient of this rank's sent activation (None off the last stage, or for
+        a frozen source)."""
+        self._check(self.src_grid, "recv_backward", "source")
+        if self.frozen:
+            return None
+        return self._result(self.src, self._bridge.recv_backward())
+
+    def send_forward_recv_backward(self, input_tensor: torch.Tensor,
+                                   grad_shape: tuple | None = None) -> torch.Tensor | None:
+        """Send an activation, then receive the gradient of the oldest one sent (the
+        source's 1F1B step). ``grad_shape`` is accepted and unused, as there."""
+        self._check(self.src_grid, "send_forward_recv_backward", "source")
+        x = self._mine(self.src, input_tensor)
+        if self.frozen:
+            self._bridge.send_forward(x)
+            return None
+        return self._result(self.src, self._bridge.send_forward_recv_backward(x))
+
+    def send_backward_recv_forward(self, grad_tensor: torch.Tensor,
+                                   forward_shape: tuple | None = None) -> torch.Tensor | None:
+        """Send a gradient back, then receive the next activation (the destination's
+        1F1B step). ``forward_shape`` is accepted and unused, as there."""
+        self._check(self.dest_grid, "send_backward_recv_forward", "destination")
+        if self.frozen:
+            return self._result(self.dst, self._bridge.recv_forward())
+        y = self._bridge.send_backward_recv_forward(self._mine(self.dst, grad_tensor))
+        return self._result(self.dst, y)
+
+    # -- lifetime -----------------------------------------------------------------------
+    @property
+    def bridge(self):
+        """The mimo_fx :class:`~mimo_fx.compiled.Bridge` underneath."""
+        return self._bridge
+
+    def destroy(self) -> None:
+        """Release this communicator's process groups (after its sends were received)."""
+        self._bridge.destroy()
+        _LIVE.discard(self)
+
+    @classmethod
+    def destroy_broadcast_pgs(cls) -> None:
+        """Megatron's cleanup of its cached groups: destroys every live communicator's."""
+        for comm in list(_LIVE):
+            comm.destroy()
+
+    destroy_bridge_pgs = destroy_broadcast_pgs
+
+
+@dataclass
+class SliceInfo:
+    """This rank's slice of the batch dim on the narrowing side (Megatron's type)."""
+
+    start: int
+    size: int
+
+
+class ColocatedBridgeCommunicator:
+    """Megatron-Core's ``ColocatedBridgeCommunicator`` (source and destination modules on
+    the same ranks; ``communicate`` is differentiable), on a mimo_fx
+    :class:`~mimo_fx.compiled.Redistributor`.
+
+    Megatron's arguments: ``src_grid``, ``dest_grid`` (the same ranks), ``src_module_name``,
+    ``dest_module_name``, ``dim_mapping`` (``{'b', 's', 'h'}`` for 3-D, ``{'b', 'h'}`` for a
+    2-D ``[S*B, H]``; default ``[B, S, H]``). Each call's sizes come from this rank's
+    input, as there (the batch even over DP; no communication for them).
+
+    Beyond Megatron (keyword-only): CP > 1 on either side (``zigzag`` as above; Megatron
+    requires CP = 1), ``variable_tokens`` (each DP replica its own count on the batch dim,
+    learned per call), ``frozen`` (as :class:`~mimo_fx.compiled.Redistributor`'s; default:
+    decided by whether the source requires grad), ``checked``.
+    """
+
+    def __init__(self, src_grid, dest_grid, src_module_name: str = "src",
+                 dest_module_name: str = "dest", dim_mapping: dict | None = None, *,
+                 zigzag: bool = True, variable_tokens: bool = False,
+                 frozen: bool | None = None, checked: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        from mimo_fx.compiled import Redistributor
+
+        self.src_grid, self.dest_grid = src_grid, dest_grid
+        self.src_module_name, self.dest_module_name = src_module_name, dest_module_name
+        self.dim_mapping = _check_mapping(dim_mapping, ({"b", "s", "h"}, {"b", "h"}))
+        self.current_rank = dist.get_rank()
+        src, dst = grid_of(src_grid), grid_of(dest_grid)
+        if src.ranks != dst.ranks:
+            raise MimoFxError(f"ColocatedBridgeCommunicator's grids must span the same ranks: "
+                              f"src {src!r} holds {src.ranks.start}..{src.ranks.stop - 1}, "
+                              f"dest {dst!r} {dst.ranks.start}..{dst.ranks.stop - 1}")
+        for side, g in (("src", src), ("dest", dst)):
+            for axis in ("tp", "dp"):
+                if axis not in g.names:
+                    raise MimoFxError(f"{side} grid must have a {axis!r} dim, got dim_names="
+                                      f"{list(g.names)}")
+            if _size(g, "pp") != 1:
+                raise MimoFxError(f"{side} grid has pp={g.axis_size('pp')}: colocated modules "
+                                  f"run one pipeline stage (use BridgeCommunicator between "
+                                  f"stages)")
+        self.src_tp_size, self.src_dp_size = src.axis_size("tp"), src.axis_size("dp")
+        self.dest_tp_size, self.dest_dp_size = dst.axis_size("tp"), dst.axis_size("dp")
+        if len(self.dim_mapping) == 2:
+            self.src = _layout_2d(src, self.dim_mapping, variable_tokens=variable_tokens)
+            self.dst = _layout_2d(dst, self.dim_mapping, variable_tokens=variable_tokens)
+        else:
+            kw = {"zigzag": zigzag, "variable_tokens": variable_tokens}
+            self.src = megatron_layout(src, self.dim_mapping, 3, **kw)
+            self.dst = megatron_layout(dst, self.dim_mapping, 3, **kw)
+        big, small = max(self.src_dp_size, self.dest_dp_size), min(self.src_dp_size,
+                                                                   self.dest_dp_size)
+        self.scale = big // small if big % small == 0 else None
+        self.direction = ("fan_in" if self.src_dp_size > self.dest_dp_size else
+                          "fan_out" if self.dest_dp_size > self.src_dp_size else "equal")
+        self._ragged = variable_tokens
+        self._dtype = dtype
+        self._red: dict = {}  # dtype -> Redistributor (built on first use of a dtype)
+        self._checked, self._frozen = checked, frozen
+        self._make = Redistributor
+        if dtype is not None:
+            self._bridge_for(dtype)
+
+    def _bridge_for(self, dtype: torch.dtype):
+        red = self._red.get(dtype)
+        if red is None:
+            red = self._red[dtype] = self._make(self.src, self.dst, None, dtype,
+                                                frozen=self._frozen, checked=self._checked)
+        return red
+
+    def is_fan_in(self) -> bool:
+        """True if src DP > dest DP (forward all-gathers)."""
+        return self.direction == "fan_in"
+
+    def is_fan_out(self) -> bool:
+        """True if src DP < dest DP (forward narrows)."""
+        return self.direction == "fan_out"
+
+    def get_slice_info(self, batch_size: int) -> SliceInfo:
+        """This rank's slice of ``batch_size`` on the narrowing side, as Megatron's."""
+        if self.direction == "equal":
+            return SliceInfo(0, batch_size)
+        scale = self.scale or 1
+        if batch_size % scale:
+            raise MimoFxError(f"ColocatedBridgeCommunicator: batch dim size {batch_size} is not "
+                              f"divisible by {self.direction} scale={scale}")
+        grid = self.dst.grid if self.direction == "fan_out" else self.src.grid
+        slot = grid.coord(self.current_rank)["dp"] % scale
+        return SliceInfo(slot * (batch_size // scale), batch_size // scale)
+
+    def _sizes(self, tensor: torch.Tensor) -> dict:
+        """The call's sizes from this rank's piece (the batch even over DP, the sequence
+        even over CP; ragged counts are learned instead)."""
+        sizes, shape = {}, tensor.shape
+        for name, axis in self.dim_mapping.items():
+            if axis >= tensor.dim():
+                raise MimoFxError(f"communicate: a {tensor.dim()}-D tensor for dim_mapping "
+                                  f"{self.dim_mapping}")
+            n = int(shape[axis])
+            if name == "b":
+                if self._ragged:
+                    continue
+                n *= self.src_dp_size
+            elif name == "s":
+                n *= _size(self.src.grid, "cp")
+            sizes[name] = n
+        return sizes
+
+    def communicate(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (this rank's piece under the source's layout) under the
+        destination's; differentiable (its gradient runs the reverse move)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise MimoFxError(f"communicate needs this rank's tensor, got {tensor!r}")
+        if self.direction == "fan_out" and not self._ragged and tensor.dim() > max(
+                self.dim_mapping.values()):
+            self.get_slice_info(int(tensor.shape[self.dim_mapping["b"]]))
+        red = self._bridge_for(self._dtype or tensor.dtype)
+        return red(tensor, **self._sizes(tensor))
+
+    def destroy(self) -> None:
+        """Release this communicator's process groups."""
+        for red in self._red.values():
+            red.destroy()
+        self._red.clear()
