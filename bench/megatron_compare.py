@@ -24,6 +24,10 @@ variant's own call pattern, on the same inputs:
   functional call (``y = bridge(x); mimo_fx.backward()`` on src ranks, ``y =
   bridge(None); y.backward(g)`` on dst ranks), eager and compiled.
 
+The drop-in (``mimo_fx.interop.megatron``: Megatron's classes, grids and calls, one
+import changed) runs Megatron's call pattern in both kinds of case, learning its shapes
+per call as Megatron's communicators do.
+
 Both sides' layouts are Megatron's: each rank of a DP replica holds that replica's
 batch, replicated over TP (``Layout(grid, "(dp b) s h")``). Before timing, every
 variant's result on every rank is compared with full-tensor math: the dst piece with
@@ -45,15 +49,11 @@ mostly scheduling and socket copies: read the ratios, which are measured side by
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
-import importlib
 import os
-import subprocess
 import sys
-import tempfile
 import time
-import types
-import zipfile
 from dataclasses import dataclass
 
 import torch
@@ -62,10 +62,10 @@ from common import collectives
 from tabulate import tabulate
 
 from mimo_fx import Grid, Layout, plan
-from mimo_fx.testing import run_world
+from mimo_fx.testing import megatron_core, run_world
 
 WORLD = 8
-MEGATRON_VERSION = "0.19.2"
+MEGATRON_VERSION = megatron_core.VERSION
 B, H = 8, 256
 SIZES = (64 << 10, 1 << 20, 16 << 20)          # bytes of X
 QUICK_SIZES = (64 << 10, 1 << 20)
@@ -73,12 +73,9 @@ ITERS, WARMUP = 21, 3
 SMALL, SMALL_ITERS = 1 << 20, 201  # up to 1 MiB a call is milliseconds of scheduling noise
 # (61 calls moved the 64 KiB colocated cells by up to 0.3 between runs of one tree)
 QUICK_ITERS, QUICK_WARMUP = 5, 2
-CACHE = os.path.join(os.path.expanduser("~"), ".cache", "mimo_fx", "megatron")
+CACHE = megatron_core.CACHE
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                       "megatron_compare.txt")
-MODULES = ("megatron.core.hyper_comm_grid",
-           "megatron.core.pipeline_parallel.bridge_communicator",
-           "megatron.core.models.mimo.comm.colocated_communicator")
 
 
 @dataclass(frozen=True)
@@ -110,85 +107,17 @@ CASES = (
     Case("pipelined fan-out", True, {"tp": 2, "dp": 2}, {"tp": 1, "dp": 4}),
     Case("pipelined DP4 -> TP4", True, {"tp": 1, "dp": 4}, {"tp": 4, "dp": 1}),
 )
-VARIANTS = {False: ("Megatron", "Redistributor", "compiled"),
-            True: ("Megatron", "Bridge", "Redistributor", "compiled")}
+VARIANTS = {False: ("Megatron", "drop-in", "Redistributor", "compiled"),
+            True: ("Megatron", "drop-in", "drop-in sizes=", "Bridge", "Redistributor",
+                   "compiled")}
 
 
-# -- Megatron-Core, loaded from a wheel or a tree -----------------------------------------
+# -- Megatron-Core, loaded from a wheel or a tree (mimo_fx.testing.megatron_core) ---------
 def _megatron_root(path: str | None, fetch: bool) -> str:
-    """A directory holding ``megatron/core/...``: ``path`` (a tree, or a wheel extracted
-    to a temporary directory), a wheel in the cache, or one downloaded there."""
-    if path is None:
-        wheels = sorted(f for f in os.listdir(CACHE) if f.endswith(".whl")) \
-            if os.path.isdir(CACHE) else []
-        if not wheels and fetch:
-            os.makedirs(CACHE, exist_ok=True)
-            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                            f"megatron-core=={MEGATRON_VERSION}", "--python-version", "3.12",
-                            "--only-binary=:all:", "-d", CACHE], check=True)
-            wheels = sorted(f for f in os.listdir(CACHE) if f.endswith(".whl"))
-        if not wheels:
-            sys.exit(f"Megatron-Core not found: pass --megatron PATH (a megatron_core wheel "
-                     f"or a tree holding megatron/core), or --fetch to download "
-                     f"megatron-core=={MEGATRON_VERSION} into {CACHE} with pip")
-        path = os.path.join(CACHE, wheels[-1])
-    if path.endswith(".whl"):
-        out = tempfile.mkdtemp(prefix="megatron_core_")
-        with zipfile.ZipFile(path) as z:
-            names = [n for n in z.namelist() if n.startswith("megatron/core/") and n.endswith(
-                ("hyper_comm_grid.py", "bridge_communicator.py", "colocated_communicator.py",
-                 "package_info.py"))]
-            z.extractall(out, names)
-        return out
-    if not os.path.isdir(os.path.join(path, "megatron", "core")):
-        sys.exit(f"--megatron {path}: no megatron/core in it")
-    return path
-
-
-def _load_megatron(root: str) -> dict:
-    """Megatron's three modules, imported from ``root`` with empty parent packages (the
-    real ``megatron/core/__init__`` imports far more than torch)."""
-    for i in range(1, 6):
-        for name in (MODULES[1].rsplit(".", 1)[0], MODULES[2].rsplit(".", 1)[0]):
-            parts = name.split(".")[:i]
-            pkg = ".".join(parts)
-            if pkg not in sys.modules:
-                mod = types.ModuleType(pkg)
-                mod.__path__ = [os.path.join(root, *parts)]
-                sys.modules[pkg] = mod
-    import warnings
-
-    # Megatron's own notices, once per rank and case, would bury the progress lines
-    warnings.filterwarnings("ignore", message="absl.logging is not installed")
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor` is deprecated")
-    return {name.rsplit(".", 1)[1]: importlib.import_module(name) for name in MODULES}
-
-
-def _version(root: str) -> str:
-    """MAJOR.MINOR.PATCH as ``package_info.py`` states them (read, not executed)."""
-    import re
-
-    info = os.path.join(root, "megatron", "core", "package_info.py")
-    text = open(info).read() if os.path.exists(info) else ""
-    found = {k: re.search(rf"^{k} = (\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")}
-    return ".".join(m.group(1) if m else "?" for m in found.values())
-
-
-def _on_cpu() -> None:
-    """Megatron's groups ask for nccl and its buffers for the current CUDA device: on a
-    CPU world, gloo and the CPU."""
-    import torch.distributed.distributed_c10d as c10d
-
-    new_group = c10d.new_group
-
-    def gloo_group(*args, **kwargs):
-        if kwargs.get("backend") == "nccl":
-            kwargs["backend"] = "gloo"
-        return new_group(*args, **kwargs)
-
-    c10d.new_group = gloo_group
-    dist.new_group = gloo_group
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    try:
+        return megatron_core.megatron_root(path, fetch_missing=fetch)
+    except megatron_core.NotFound as err:
+        sys.exit(f"{err} (--megatron PATH, or --fetch)")
 
 
 def _megatron_grid(mods: dict, axes: dict, offset: int, pipelined: bool):
@@ -227,6 +156,7 @@ def _variants(case: Case, mods: dict, rank: int, x: torch.Tensor, g: torch.Tenso
     returning ``(dst piece or None, src gradient or None)``; and what to destroy."""
     import mimo_fx
     from mimo_fx.compiled import Bridge, Redistributor
+    from mimo_fx.interop import megatron as megatron_interop
 
     src, dst = case.layouts()
     on_src, on_dst = src.holds(rank), dst.holds(rank)
@@ -265,6 +195,21 @@ def _variants(case: Case, mods: dict, rank: int, x: torch.Tensor, g: torch.Tenso
             return y, None
 
         fns["Megatron"], fns["Bridge"] = megatron, imperative
+        # mimo_fx's drop-in: Megatron's class, grids and calls, one import changed
+        # (and with sizes=, the opt-in that skips the per-call shape exchange)
+        for variant, given in (("drop-in", None), ("drop-in sizes=", sizes)):
+            drop = megatron_interop.BridgeCommunicator(m_src, m_dst, sizes=given)
+            cleanup.append(drop)
+
+            def drop_in(drop=drop):
+                if on_src:
+                    drop.send_forward(x)
+                    return None, drop.recv_backward()
+                y = drop.recv_forward()
+                drop.send_backward(g)
+                return y, None
+
+            fns[variant] = drop_in
     else:
         comm = mods["colocated_communicator"].ColocatedBridgeCommunicator(m_src, m_dst)
 
@@ -275,6 +220,15 @@ def _variants(case: Case, mods: dict, rank: int, x: torch.Tensor, g: torch.Tenso
 
         fns["Megatron"] = megatron
         cleanup.append(comm)
+        drop = megatron_interop.ColocatedBridgeCommunicator(m_src, m_dst, dtype=x.dtype)
+        cleanup.append(drop)
+
+        def drop_in():
+            y = drop.communicate(leaf)
+            y.backward(g)
+            return y, grad_of(leaf)
+
+        fns["drop-in"] = drop_in
         if case.src == case.dst:  # nothing moves: the floor is a plain autograd.Function
             least = torch.compile(lambda t: _Passthrough.apply(t), backend=compile_backend,
                                   fullgraph=True)
@@ -332,10 +286,13 @@ def _case(rank: int, case: Case, nbytes: int, iters: int, warmup: int, mods: dic
                  (g_want is None or (gx is not None and torch.equal(gx, g_want)))
             wrong.append(0.0 if ok else 1.0)
         times = timed(fns, iters, warmup)
-        values = torch.tensor([times[n][0] for n in names] + wrong, dtype=torch.float64)
+        k = len(names)
+        values = torch.tensor([times[n][0] for n in names] + [times[n][1] for n in names]
+                              + wrong, dtype=torch.float64)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        out = dict(zip(names, values[:len(names)].tolist()))
-        out["wrong"] = [n for n, w in zip(names, values[len(names):].tolist()) if w]
+        out = dict(zip(names, values[:k].tolist()))
+        out["cpu"] = dict(zip(names, values[k:2 * k].tolist()))
+        out["wrong"] = [n for n, w in zip(names, values[2 * k:].tolist()) if w]
         return out
     finally:
         for obj in cleanup:
@@ -346,9 +303,13 @@ def _case(rank: int, case: Case, nbytes: int, iters: int, warmup: int, mods: dic
 def _bench(rank: int, world: int, root: str, sizes: tuple[int, ...], iters: tuple[int, int],
            warmup: int, compile_backend: str, backend: str):
     """Every case at every size; ``iters``: timed calls above ``SMALL`` bytes, and up to it."""
-    if backend == "gloo":
-        _on_cpu()
-    mods = _load_megatron(root)
+    with megatron_core.on_cpu() if backend == "gloo" else contextlib.nullcontext():
+        return _cases(rank, root, sizes, iters, warmup, compile_backend)
+
+
+def _cases(rank: int, root: str, sizes: tuple[int, ...], iters: tuple[int, int],
+           warmup: int, compile_backend: str):
+    mods = megatron_core.load(root)
     rows = []
     total = len(CASES) * len(sizes)
     for case in CASES:
@@ -370,7 +331,8 @@ def _size(nbytes: int) -> str:
 
 
 def report(rows: list[dict], sizes: tuple[int, ...]) -> str:
-    table, floor, compiled = [], [], []
+    table, floor, compiled, cpu = [], [], [], []
+    shown = ("drop-in", "drop-in sizes=", "Bridge", "Redistributor", "compiled")
     it = iter(rows)
     for case in CASES:
         src, dst = case.grids()
@@ -380,8 +342,10 @@ def report(rows: list[dict], sizes: tuple[int, ...]) -> str:
             s = nbytes // (B * H * 4)
             p = plan(*case.layouts(), {"b": B, "s": s, "h": H}, 4)
             ms = {n: r[n] * 1e3 for n in names}
-            ratios = [f"{ms[n] / ms['Megatron']:.2f}" if n in ms else "" for n in
-                      ("Bridge", "Redistributor", "compiled")]
+            ratios = [f"{ms[n] / ms['Megatron']:.2f}" if n in ms else "" for n in shown]
+            c = {n: r["cpu"][n] * 1e3 for n in names}
+            cpu.append([case.name, _size(nbytes), f"{c['Megatron']:.2f}"]
+                       + [f"{c[n] / c['Megatron']:.2f}" if n in c else "" for n in shown])
             check = "exact" if not r["wrong"] else "WRONG: " + ", ".join(r["wrong"])
             table.append([case.name, f"{_fmt(case.src)} -> {_fmt(case.dst)}", _size(nbytes),
                           collectives(p), f"{ms['Megatron']:.2f}", *ratios, check])
@@ -397,10 +361,18 @@ def report(rows: list[dict], sizes: tuple[int, ...]) -> str:
             "call): " + ", ".join(compiled) + ".")
     return tabulate(table, disable_numparse=True,
                     colalign=("left", "left", "right", "left", "right", "right", "right",
-                              "right", "left"),
+                              "right", "right", "right", "left"),
                     headers=["case", "grids", "X", "mimo_fx plan", "Megatron ms",
+                             "drop-in / Megatron", "drop-in sizes= / Megatron",
                              "Bridge / Megatron", "Redistributor / Megatron",
-                             "compiled / Megatron", "values"]) + note
+                             "compiled / Megatron", "values"]) + note + (
+        "\n\nHost CPU per call (process CPU time of forward + backward, gloo's threads "
+        "included; median over the same timed calls, max over ranks), over Megatron's:\n\n")\
+        + tabulate(cpu, disable_numparse=True,
+                   colalign=("left", "right", "right", "right", "right", "right", "right",
+                             "right"),
+                   headers=["case", "X", "Megatron CPU ms", *(f"{n} / Megatron"
+                                                              for n in shown)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         QUICK_SIZES if args.quick else SIZES)
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
     lines = [
-        f"mimo_fx vs Megatron-Core {_version(root)}'s bridge communicators: {WORLD} "
+        f"mimo_fx vs Megatron-Core {megatron_core.version(root)}'s bridge communicators: {WORLD} "
         f"{args.backend} ranks, float32, forward + backward per call; X = {B} x s x {H}; "
         f"median of {iters} timed calls ({small_iters} up to {_size(SMALL)}; {warmup} "
         f"warm-up), variants interleaved, barrier "
