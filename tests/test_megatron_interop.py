@@ -462,3 +462,40 @@ def test_on_8_ranks(world, name):
 def test_every_check_ran(world):
     """The world ran exactly the checks listed (none lost between the two lists)."""
     assert sorted(world[0]) == sorted(CHECKS)
+
+
+# -- in-process: what a bad argument says ---------------------------------------------------
+class _Grid:
+    """An object with HyperCommGrid's three fields, as the drop-ins accept."""
+
+    def __init__(self, shape, dim_names, rank_offset=0):
+        self.shape, self.dim_names, self.rank_offset = shape, dim_names, rank_offset
+
+
+@pytest.mark.parametrize("grid, kwargs, words", [
+    (_Grid([2, 2], ["tp", "dp"]), {"tensor_ndim": 4}, "tensor_ndim=4 must be 2"),
+    (_Grid([2, 2], ["tp", "dp"]), {"dim_mapping": {"b": 0, "s": 0, "h": 2}},
+     "must map ['b', 'h', 's'] to the tensor dims 0.. each once"),
+    (_Grid([1, 2, 2], ["tp", "cp", "dp"]), {"tensor_ndim": 2}, "CP cannot cut it"),
+    (_Grid([2, 2], ["tp", "tp"]), {}, "distinct names"),
+    (object(), {}, "is not a grid"),
+])
+def test_bad_arguments_say_how(grid, kwargs, words):
+    from mimo_fx.interop.megatron import megatron_layout
+
+    with pytest.raises(MimoFxError, match=words.replace("[", r"\[").replace("]", r"\]")
+                       .replace(".", r"\.")):
+        megatron_layout(grid, **kwargs)
+
+
+def test_layouts_are_megatrons():
+    """Dims placed by dim_mapping, the batch over dp, CP zigzag, PP pinned, 2-D as t h."""
+    from mimo_fx.interop.megatron import megatron_layout
+
+    g = _Grid([2, 2, 2, 2], NAMES, 4)
+    sbh = megatron_layout(g, {"s": 0, "b": 1, "h": 2}, stage=-1)
+    assert (sbh.pattern, sbh.zigzag, dict(sbh.at)) == ("(cp s) (dp b) h", ("cp",), {"pp": 1})
+    two = megatron_layout(_Grid([2, 1, 1, 4], NAMES), None, 2, variable_tokens=True)
+    assert (two.pattern, two.ragged) == ("(dp t) h", ("dp",))
+    flat = megatron_layout(g, None, 3, stage=0, zigzag=False)
+    assert (flat.pattern, flat.zigzag, dict(flat.at)) == ("(dp b) (cp s) h", (), {"pp": 0})

@@ -95,38 +95,32 @@ def megatron_layout(grid, dim_mapping: dict | None = None, tensor_ndim: int = 3,
     Layout(Grid(tp=2, cp=2, pp=2, dp=2), '(cp s) (dp b) h', at={'pp': 0}, zigzag=('cp',))
     """
     g = grid if isinstance(grid, Grid) else grid_of(grid)
-    dp, cp = ("dp" if "dp" in g.names else None), _size(g, "cp")
     if tensor_ndim == 2:
-        if cp > 1:
-            raise MimoFxError(
-                f"a 2-D [B*S, H] tensor on {g!r} with cp={cp}: its sequence is folded into "
-                f"dim 0, so CP cannot cut it; bridge the 3-D [B, S, H] (or [S, B, H]) "
-                f"tensor, or build the destination on CP=1")
-        dims = [f"({dp} t)" if dp else "t", "h"]
-    elif tensor_ndim == 3:
+        return _layout(g, {"t": 0, "h": 1}, "t", stage, zigzag, variable_tokens)
+    if tensor_ndim == 3:
         mapping = _check_mapping(dim_mapping, ({"b", "s", "h"},))
-        dims = [""] * 3
-        dims[mapping["b"]] = f"({dp} b)" if dp else "b"
-        dims[mapping["s"]] = "(cp s)" if cp > 1 else "s"
-        dims[mapping["h"]] = "h"
-    else:
-        raise MimoFxError(f"tensor_ndim={tensor_ndim!r} must be 2 ([B*S, H]) or 3 "
-                          f"([B, S, H] in dim_mapping's order)")
+        return _layout(g, mapping, "b", stage, zigzag, variable_tokens)
+    raise MimoFxError(f"tensor_ndim={tensor_ndim!r} must be 2 ([B*S, H]) or 3 "
+                      f"([B, S, H] in dim_mapping's order)")
+
+
+def _layout(g: Grid, mapping: dict, batch: str, stage: int | None, zigzag: bool,
+            variable_tokens: bool) -> Layout:
+    """The layout of a tensor whose dims ``mapping`` places: ``batch`` cut over ``dp``,
+    ``s`` over ``cp``, the rest whole (see :func:`megatron_layout`)."""
+    dp, cp = ("dp" if "dp" in g.names else None), _size(g, "cp")
+    if cp > 1 and "s" not in mapping:
+        raise MimoFxError(
+            f"a 2-D [B*S, H] tensor on {g!r} with cp={cp}: its sequence is folded into "
+            f"dim 0, so CP cannot cut it; bridge the 3-D [B, S, H] (or [S, B, H]) "
+            f"tensor, or build the grid with CP=1")
+    dims = [""] * len(mapping)
+    for name, axis in mapping.items():
+        dims[axis] = (f"({dp} {name})" if name == batch and dp else
+                      "(cp s)" if name == "s" and cp > 1 else name)
     at = {"pp": stage} if stage is not None and _size(g, "pp") > 1 else None
-    ragged = (dp,) if variable_tokens and dp else ()
     return Layout(g, " ".join(dims), at=at, zigzag=("cp",) if cp > 1 and zigzag else (),
-                  ragged=ragged)
-
-
-def _layout_2d(grid, dim_mapping: dict, **kw) -> Layout:
-    """A colocated 2-D layout: ``dim_mapping`` ``{'b': i, 'h': j}`` ([S*B, H] or [H, S*B])."""
-    g = grid if isinstance(grid, Grid) else grid_of(grid)
-    dims = [""] * 2
-    dp = "dp" if "dp" in g.names else None
-    dims[dim_mapping["b"]] = f"({dp} b)" if dp else "b"
-    dims[dim_mapping["h"]] = "h"
-    ragged = (dp,) if kw.get("variable_tokens") and dp else ()
-    return Layout(g, " ".join(dims), ragged=ragged)
+                  ragged=(dp,) if variable_tokens and dp else ())
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the pipelined communicators not yet destroyed
@@ -195,12 +189,10 @@ class BridgeCommunicator:
                               f"in the {side} grid ({grid_of(grid)!r}); {call} runs on the "
                               f"{side} grid's ranks")
 
-    def _mine(self, layout: Layout, tensor):
-        """What this rank passes (None off the boundary stage, whose ranks make the calls
-        as Megatron's do, moving nothing)."""
-        return tensor if layout.holds(self.current_rank) else None
-
-    def _result(self, layout: Layout, tensor):
+    def _here(self, layout: Layout, tensor):
+        """``tensor`` where this rank holds a piece of ``layout``, else None: what it passes
+        and gets off the boundary stage, whose ranks make the calls as Megatron's do,
+        moving nothing."""
         return tensor if layout.holds(self.current_rank) else None
 
     # -- the calls ----------------------------------------------------------------------
@@ -208,18 +200,18 @@ class BridgeCommunicator:
         """Send this rank's activation to the destination grid; returns once it is
         posted (the data in flight)."""
         self._check(self.src_grid, "send_forward", "source")
-        self._bridge.send_forward(self._mine(self.src, tensor_to_send))
+        self._bridge.send_forward(self._here(self.src, tensor_to_send))
 
     def recv_forward(self) -> torch.Tensor | None:
         """This rank's activation from the source grid (None off the first stage)."""
         self._check(self.dest_grid, "recv_forward", "destination")
-        return self._result(self.dst, self._bridge.recv_forward())
+        return self._here(self.dst, self._bridge.recv_forward())
 
     def send_backward(self, grad_tensor: torch.Tensor) -> None:
         """Send the gradient of this rank's activation back to the source grid."""
         self._check(self.dest_grid, "send_backward", "destination")
         if not self.frozen:
-            self._bridge.send_backward(self._mine(self.dst, grad_tensor))
+            self._bridge.send_backward(self._here(self.dst, grad_tensor))
 
     def recv_backward(self) -> torch.Tensor | None:
         """The gradient of this rank's sent activation (None off the last stage, or for
@@ -227,18 +219,18 @@ class BridgeCommunicator:
         self._check(self.src_grid, "recv_backward", "source")
         if self.frozen:
             return None
-        return self._result(self.src, self._bridge.recv_backward())
+        return self._here(self.src, self._bridge.recv_backward())
 
     def send_forward_recv_backward(self, input_tensor: torch.Tensor,
                                    grad_shape: tuple | None = None) -> torch.Tensor | None:
         """Send an activation, then receive the gradient of the oldest one sent (the
         source's 1F1B step). ``grad_shape`` is accepted and unused, as there."""
         self._check(self.src_grid, "send_forward_recv_backward", "source")
-        x = self._mine(self.src, input_tensor)
+        x = self._here(self.src, input_tensor)
         if self.frozen:
             self._bridge.send_forward(x)
             return None
-        return self._result(self.src, self._bridge.send_forward_recv_backward(x))
+        return self._here(self.src, self._bridge.send_forward_recv_backward(x))
 
     def send_backward_recv_forward(self, grad_tensor: torch.Tensor,
                                    forward_shape: tuple | None = None) -> torch.Tensor | None:
@@ -246,9 +238,9 @@ class BridgeCommunicator:
         1F1B step). ``forward_shape`` is accepted and unused, as there."""
         self._check(self.dest_grid, "send_backward_recv_forward", "destination")
         if self.frozen:
-            return self._result(self.dst, self._bridge.recv_forward())
-        y = self._bridge.send_backward_recv_forward(self._mine(self.dst, grad_tensor))
-        return self._result(self.dst, y)
+            return self._here(self.dst, self._bridge.recv_forward())
+        y = self._bridge.send_backward_recv_forward(self._here(self.dst, grad_tensor))
+        return self._here(self.dst, y)
 
     # -- lifetime -----------------------------------------------------------------------
     @property
@@ -321,13 +313,8 @@ class ColocatedBridgeCommunicator:
                                   f"stages)")
         self.src_tp_size, self.src_dp_size = src.axis_size("tp"), src.axis_size("dp")
         self.dest_tp_size, self.dest_dp_size = dst.axis_size("tp"), dst.axis_size("dp")
-        if len(self.dim_mapping) == 2:
-            self.src = _layout_2d(src, self.dim_mapping, variable_tokens=variable_tokens)
-            self.dst = _layout_2d(dst, self.dim_mapping, variable_tokens=variable_tokens)
-        else:
-            kw = {"zigzag": zigzag, "variable_tokens": variable_tokens}
-            self.src = megatron_layout(src, self.dim_mapping, 3, **kw)
-            self.dst = megatron_layout(dst, self.dim_mapping, 3, **kw)
+        self.src, self.dst = (_layout(g, self.dim_mapping, "b", None, zigzag, variable_tokens)
+                              for g in (src, dst))
         big, small = max(self.src_dp_size, self.dest_dp_size), min(self.src_dp_size,
                                                                    self.dest_dp_size)
         self.scale = big // small if big % small == 0 else None
