@@ -42,6 +42,13 @@ Ranks = tuple[int, ...]
 # messages carry no tag (NCCL ignores tags): a pair's messages on a channel pair in the
 # order both sides post them, the same order
 SIZES, CHECKS = 1, 2
+# the most sends a channel keeps in flight: beyond it a new exchange first waits for its
+# oldest (some backends, gloo among them, say a message is through only once its work
+# was waited for, so without a bound the list of sends grows by every call's messages
+# and each call scans it). A send that old was posted calls ago: its receiver, which
+# takes each pair's messages in posting order, has posted its receive or is behind on
+# messages already sent, so the wait never waits for this rank's later messages.
+IN_FLIGHT = 64
 
 
 class Channel(Comm):
@@ -67,6 +74,17 @@ class Channel(Comm):
         self._posted = [(w, t) for w, t in self._posted if not w.is_completed()]
         return len(self._sent)
 
+    def _bound(self) -> None:
+        """Wait for the oldest sends beyond :data:`IN_FLIGHT`."""
+        self.settle()
+        if len(self._sent) > IN_FLIGHT:
+            old, self._sent = self._sent[:-IN_FLIGHT], self._sent[-IN_FLIGHT:]
+            with waiting(lambda: f"the receivers of this rank's sends on a pipelined "
+                                 f"bridge's channel, {len(old)} sends back"):
+                for work, _ in old:
+                    work.wait()
+            waited([w for w, _ in old])
+
     def in_flight(self) -> list:
         """Every send and receive not finished yet, with its buffer: what must stay alive
         (a dropped work can cancel its message under the peer)."""
@@ -79,6 +97,7 @@ class Channel(Comm):
         a local copy) in one grouped call (:func:`.comm.post`: no tags, messages of a pair
         pair in posting order); returns the works to wait for before the receives are
         there (each receive's, or the group's one)."""
+        self._bound()
         local = {p: t for p, t in sends if p == self.rank}
         out = [(p, t.contiguous()) for p, t in sends if p != self.rank]
         into = [(p, t) for p, t in recvs if p != self.rank]

@@ -180,12 +180,17 @@ def interleaved_order(p: int, sets: int, chunks: int, micro: int) -> list:
 def _one_schedule(rank: int, name: str, variant: str) -> list[str]:
     from mimo_fx.compiled import Bridge
 
+    from mimo_fx.compiled.bridge import DEFERRED
+    from mimo_fx.compiled.p2p import IN_FLIGHT
+
     problems: list[str] = []
     sizes = None
     fixed = {"b": B, "h": H}
     options: dict = {}
-    if variant == "learned":  # no sizes anywhere: every forward learns them
+    micro = 40 if variant == "long" else M
+    if variant in ("learned", "long"):  # no sizes anywhere: every forward learns them
         fixed = {}
+        options["checked"] = variant == "long"
     elif variant == "checked":
         options["checked"] = True
     if name == "interleaved":
@@ -200,7 +205,7 @@ def _one_schedule(rank: int, name: str, variant: str) -> list[str]:
                    Layout(Grid(tp=2, offset=4), "b (tp h)")]
     bridges = [Bridge(layouts[k], layouts[k + 1], fixed or None, torch.float64, **options)
                for k in range(len(layouts) - 1)]
-    stages = {k: _Stage(k, layouts, bridges, rank, M, sizes, problems)
+    stages = {k: _Stage(k, layouts, bridges, rank, micro, sizes, problems)
               for k, lay in enumerate(layouts) if lay.holds(rank)}
     if name == "interleaved":
         p = 0 if rank < 2 else 1
@@ -215,16 +220,31 @@ def _one_schedule(rank: int, name: str, variant: str) -> list[str]:
     else:
         run = megatron_1f1b if name in ("1f1b", "minimal") else gpipe
         for st in stages.values():
-            run(st, len(layouts), M)
+            run(st, len(layouts), micro)
     for st in stages.values():
         st.check()
+    # what a rank keeps of its calls stays bounded (gloo says a message is through only
+    # once waited for: unbounded, these lists grew by every call's messages): the bounds
+    # hold before a call posts, so one call's messages (at most 2 per rank of the
+    # bridge) may come on top
+    for k, bridge in enumerate(bridges):
+        call = 2 * len(bridge.union)
+        for channel in bridge._channels:
+            if (len(channel._sent) > IN_FLIGHT + call
+                    or len(channel._posted) > (DEFERRED + 1) * call):
+                problems.append(f"bridge {k} on rank {rank} keeps {len(channel._sent)} "
+                                f"sends and {len(channel._posted)} receives in flight")
+        if len(bridge._deferred) > DEFERRED + 1:
+            problems.append(f"bridge {k} on rank {rank} defers {len(bridge._deferred)} "
+                            f"checks")
     for bridge in bridges:
         bridge.destroy()
     return problems
 
 
 CASES = [("minimal", "fixed"), ("1f1b", "fixed"), ("1f1b", "learned"), ("1f1b", "checked"),
-         ("gpipe", "fixed"), ("gpipe", "learned"), ("interleaved", "fixed"),
+         ("gpipe", "fixed"), ("gpipe", "learned"), ("gpipe", "long"), ("1f1b", "long"),
+         ("interleaved", "fixed"),
          ("interleaved", "checked")]
 
 
