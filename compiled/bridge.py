@@ -30,11 +30,17 @@ first, then its receives).
 Sizes: on a bridge with free dims each forward learns its sizes (the receivers too:
 this is the pipelined bridge's size gather, also point-to-point) or takes them from
 the call, and each backward runs at the sizes of the oldest forward whose backward has
-not run yet. A call posts every small row it sends (size rows; check headers in checked
-mode) before it waits for anything. The receiving side waits for every row; the sending
-side only for its own grid's (a stage never waits for one that may be behind it) and
-checks the receivers' rows as they arrive: a mistake still raises on every rank of both
-grids, on the senders at a later call of the bridge or at :meth:`Bridge.flush`.
+not run yet. Unchecked, only the senders' size rows travel: gathered at the first
+sender, which sends the table on to every other rank (two messages for most ranks); a
+receiver checks its own call against it. Built with ``told=True`` the senders give
+every call's sizes and the receivers none (as a pipeline's first stage knows its shapes
+and the next does not, Megatron's shape exchange): each receiver learns them from one
+message of one sender, and no sender waits. Checked, a call posts every row it sends to
+every rank of both grids (size rows, or check headers) before it waits for anything;
+the receiving side waits for every row, the sending side only for its own grid's (a
+stage never waits for one that may be behind it) and checks the receivers' rows as they
+arrive: a mistake still raises on every rank of both grids, on the senders at a later
+call of the bridge or at :meth:`Bridge.flush`.
 
 Every call returns None on a rank of neither grid. The imperative calls run eagerly
 (compile the stages' compute; or call the bridge itself inside a compiled step, which
@@ -55,7 +61,7 @@ from mimo_fx.errors import MimoFxError
 from .comm import Comm, host_to, note
 from .executor import CompiledExecutor, Numbers
 from .lease import Lease, keep_alive, release_later
-from .p2p import CHECKS, SIZES, Channel, Routed
+from .p2p import CHECKS, SIZES, Channel, Gathered, Routed
 from .redistributor import Redistributor, fold_call, placeholder
 from .sizing import flat_sizes
 from .timeouts import cause, wait_time
@@ -66,18 +72,33 @@ __all__ = ["Bridge"]
 # receivers' rows as they arrive); beyond it a call first waits for the oldest's, rows
 # their senders posted calls ago, before they waited for anything
 DEFERRED = 16
+RECENT = 8  # the size rows of so many calls a bridge remembers what they gave
 
 
 
 class Bridge(Redistributor):
     """A prepared redistribution between two modules with imperative send/recv calls."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, told: bool = False, **kwargs) -> None:
+        if not isinstance(told, bool):
+            raise MimoFxError(f"told={told!r} must be True (the senders give every call's "
+                              f"sizes, the receivers none) or False")
         super().__init__(*args, **kwargs)
+        if told and self.sizing.batch_of(self.src, self.dst):
+            Redistributor.destroy(self)  # (on every rank: every rank raises)
+            raise MimoFxError(self._context() + "told=True is for box layouts (a row "
+                              "bridge's receivers take the batch from their call)")
+        # told: each forward's sizes are the senders' to give and the receivers' to
+        # learn, from one message of the first sender (a pipeline's first stage knows
+        # its shapes, the next does not); moot where no size is free
+        self.told = told and bool(self.sizing.missing({})) and set(
+            self.src.grid.ranks) != set(self.dst.grid.ranks)
         # (sizes, batch) of the forwards awaiting their backward, when these vary by call
         self._in_flight: deque[tuple[dict, dict]] = deque()
         self._deferred: list = []  # (gather, check): rows checked when they arrive
         self._failed = False
+        self._recent: dict = {}  # the sizes recent calls' rows gave (see _learned)
+        self._told_row: tuple = (None, None)
         src, dst = tuple(self.src.grid.ranks), tuple(self.dst.grid.ranks)
         # one channel per direction, of this bridge alone (two bridges between the same
         # grids, as interleaved schedules have, never pair each other's messages)
@@ -121,6 +142,8 @@ class Bridge(Redistributor):
                     .view(len(union), -1)), union, None
         receivers = (self.dst if direction == 0 else self.src).grid.ranks
         senders = (self.src if direction == 0 else self.dst).grid.ranks
+        if kind == SIZES and not self.checked:
+            return self._rooted_rows(row, self._senders())
         now = union if self.rank in receivers else tuple(r for r in union if r in senders)
         # (the rows it waits for in a grouped call of their own: on NCCL a group's
         # messages complete together, and the others' senders may be behind)
@@ -130,6 +153,65 @@ class Bridge(Redistributor):
         def rows() -> torch.Tensor:
             return self._waited(lambda: gathered.wait(now), kind)[index]
         return rows, now, (gathered if now != union else None)
+
+    def _told_call(self, missing: tuple, x, full: dict, batch: dict) -> bool:
+        """A told bridge's forward: whether this rank gathers size rows (a receiver;
+        every rank, checked). An unchecked sender posts its own row, the sizes it gives
+        folded into its fingerprint, to every rank of the union off the senders: a
+        receiver learns the sizes from the holders' shapes as always, and senders that
+        told different sizes send different rows, which it refuses. No sender waits."""
+        senders = self._senders()
+        sending = self.rank in senders
+        if sending and missing:
+            raise MimoFxError(
+                self._context() + f"rank {self.rank}: a told bridge's senders give every "
+                f"call's sizes; this call misses {', '.join(missing)}")
+        if not sending and not missing:
+            raise MimoFxError(
+                self._context() + f"rank {self.rank}: a told bridge's receivers learn the "
+                f"sizes from the senders; pass none (this call gives every free size)")
+        if self.checked:
+            return True  # (every rank's row to every rank: the senders' give the sizes)
+        if sending:
+            key = (tuple(sorted(full.items())), tuple(x.shape))
+            if self._told_row[0] != key:  # (the row of the last sizes told, kept)
+                values, spec = flat_sizes(full)
+                row = fold_call(self._size_values(x, {}, {}), values, spec, [])
+                self._told_row = (key, host_to(torch.tensor(row, dtype=torch.int64),
+                                               self.device))
+            self._channels[0].exchange(
+                [(p, self._told_row[1]) for p in self.union if p not in senders], [])
+        return not sending
+
+    def _senders(self) -> tuple[int, ...]:
+        """The ranks whose rows give the sizes, in the union's order: the sending grid's
+        (a rank without a piece says so), a told bridge's src holders."""
+        if self.told:
+            return tuple(r for r in self.union if self.src.holds(r))
+        return tuple(r for r in self.union if r in self.src.grid.ranks)
+
+    def _rooted_rows(self, row: torch.Tensor, senders: tuple[int, ...]):
+        """An unchecked call's size rows: only the senders' (sizes come from their
+        shapes), gathered at the first sender and sent on whole to every other rank of
+        both grids (:meth:`.p2p.Channel.start_rooted`). A receiver checks its own row
+        against them (that it made the same call, with the same given sizes and batch);
+        no sender waits for a receiver. A told bridge's receiver takes every sender's
+        row straight from it. As in :func:`_gather_rows`."""
+        if self.told:
+            table = row.new_empty((len(senders), row.numel()))
+            works = self._channels[0].exchange(
+                [], [(p, table[i]) for i, p in enumerate(senders)])
+            told = Gathered(table, dict(zip(senders, works)) if len(works) == len(senders)
+                            else dict.fromkeys(senders, works[0]), senders)
+            return (lambda: self._waited(told.wait, SIZES)), senders, None
+        gathered = self._waited(
+            lambda: self._channels[0].start_rooted(row, senders, self.union), SIZES)
+        if self.rank in senders:
+            return (lambda: self._waited(gathered.wait, SIZES)), senders, None
+
+        def rows() -> torch.Tensor:
+            return torch.cat([self._waited(gathered.wait, SIZES), row.view(1, -1)])
+        return rows, (*senders, self.rank), None
 
     def _waited(self, wait: Callable, kind: int):
         try:
@@ -183,12 +265,16 @@ class Bridge(Redistributor):
         """This rank's size row; a row bridge's fingerprint folds in the sizes given and
         the call's batch, so ranks that pass different batches raise, as in a call of
         the bridge itself."""
+        return host_to(torch.tensor(self._size_values(x, known, batch), dtype=torch.int64),
+                       self.device)
+
+    def _size_values(self, x, known: dict, batch: dict) -> list:
         row = self.sizing.size_values(x)
         data = self.sizing.batch_values(batch)
         if data:
             values, spec = flat_sizes(known)
             fold_call(row, values, spec, data)
-        return host_to(torch.tensor(row, dtype=torch.int64), self.device)
+        return row
 
     def _forward(self, x: torch.Tensor | None, sizes: dict | None, batch: dict) -> Iterator:
         """A forward in two steps: post its rows (``yield``), then validate ``x`` (this
@@ -199,6 +285,8 @@ class Bridge(Redistributor):
         full = {**self.fixed, **given}
         missing = sizing.missing(given)
         gather = sizing.gathers_sizes(missing)  # the size rows also check the call
+        if self.told:
+            gather = self._told_call(missing, x, full, batch)
         if gather:
             rows, now, rest = self._gather_rows(0, self._size_row(x, full, batch), SIZES)
         elif self.checked:
@@ -208,7 +296,7 @@ class Bridge(Redistributor):
         yield None
         if gather:
             known = full
-            full = sizing.sizes_from(rows(), known, now)
+            full = self._learned(rows(), known, now)
             self._later(rest, lambda got: self._same_sizes(got, known, full))
         programs = self._programs(full, frozenset(missing), x, batch)
         if self.checked and not gather:
@@ -220,6 +308,20 @@ class Bridge(Redistributor):
             self._in_flight.append((full, batch))
         x = self._placeholder(self.src) if x is None else x.detach()
         yield self._run(0, programs.fwd, x, programs.env, programs.index)
+
+    def _learned(self, rows: torch.Tensor, known: dict, ranks: tuple) -> dict:
+        """The sizes ``rows`` give (:meth:`.sizing.CallSizes.sizes_from`), read once: a
+        call whose rows and given sizes equal a recent call's takes its sizes (the rows
+        are all the learning reads), the last few kept."""
+        listed = rows.view(len(ranks), -1).tolist()
+        key = (tuple(map(tuple, listed)), tuple(sorted(known.items())), ranks)
+        full = self._recent.get(key)
+        if full is None:
+            full = self.sizing.sizes_from(listed, known, ranks)
+            if len(self._recent) >= RECENT:
+                del self._recent[next(iter(self._recent))]
+            self._recent[key] = full
+        return dict(full)
 
     def _print(self, full: dict, side: str = "src") -> int | None:
         """The fingerprint a checked call of ``side`` at ``full`` sizes carries."""

@@ -185,6 +185,29 @@ class Channel(Comm):
         return Gathered(out, works, ranks)
 
 
+    def start_rooted(self, flat: torch.Tensor, rows_of: Ranks, to: Ranks) -> Gathered:
+        """Gather the rows of ``rows_of`` at its first rank, which sends the whole table
+        to every other rank of ``to``: a contributor posts its row and the table's
+        receive, the root waits for the rows (posted by their senders before they wait
+        for anything) and then posts the table's sends. 2 messages for most ranks,
+        where an all-gather over ``to`` posts ``2 (len(to) - 1)`` on every rank."""
+        root = rows_of[0]
+        out = flat.new_empty((len(rows_of), flat.numel()))
+        if self.rank != root:
+            sends = [(root, flat)] if self.rank in rows_of else []
+            got = self.exchange(sends, [(root, out)])
+            return Gathered(out, {root: w for w in got}, (root,))
+        out[0].copy_(flat)
+        got = self.exchange([], [(p, out[i]) for i, p in enumerate(rows_of) if p != root])
+        with waiting(lambda: f"the rows of ranks {list(rows_of[1:])} on a pipelined "
+                             f"bridge's channel"):
+            for work in got:
+                work.wait()
+        waited(got)
+        self.exchange([(p, out) for p in to if p != root], [])
+        return Gathered(out, {}, (root,))
+
+
 class Gathered:
     """The rows of a posted all-gather, one per rank of ``ranks``, as they arrive."""
 

@@ -67,6 +67,8 @@ class _Stage:
 
         self.shard = shard
         self.k, self.rank, self.sizes, self.problems = k, rank, sizes, problems
+        told = bool(bridges) and getattr(bridges[0], "told", False)
+        self.got_sizes = None if told else sizes  # (a told bridge's receivers give none)
         self.lay = layouts[k]
         self.fields, self.inputs = _oracle(layouts, micro)
         ws, self.xs, self.ts = _data(len(layouts), micro)
@@ -83,7 +85,7 @@ class _Stage:
     def recv_forward(self, m):
         if self.prev is None:
             return self.piece(self.xs[m]).clone()
-        return self.prev.recv_forward(sizes=self.sizes)
+        return self.prev.recv_forward(sizes=self.got_sizes)
 
     def send_forward(self, m):
         if self.next is not None:
@@ -104,7 +106,7 @@ class _Stage:
     def send_backward_recv_forward(self, g, m_next):
         if self.prev is None:
             return self.piece(self.xs[m_next]).clone()
-        return self.prev.send_backward_recv_forward(g, sizes=self.sizes)
+        return self.prev.send_backward_recv_forward(g, sizes=self.got_sizes)
 
     # compute
     def forward(self, m, x):
@@ -188,9 +190,11 @@ def _one_schedule(rank: int, name: str, variant: str) -> list[str]:
     fixed = {"b": B, "h": H}
     options: dict = {}
     micro = 40 if variant == "long" else M
-    if variant in ("learned", "long"):  # no sizes anywhere: every forward learns them
+    if variant in ("learned", "long", "told", "told checked"):  # no sizes fixed
         fixed = {}
-        options["checked"] = variant == "long"
+        options["checked"] = variant in ("long", "told checked")
+        if variant.startswith("told"):  # the senders give them, the receivers learn them
+            options["told"], sizes = True, {"b": B, "h": H}
     elif variant == "checked":
         options["checked"] = True
     if name == "interleaved":
@@ -244,6 +248,8 @@ def _one_schedule(rank: int, name: str, variant: str) -> list[str]:
 
 CASES = [("minimal", "fixed"), ("1f1b", "fixed"), ("1f1b", "learned"), ("1f1b", "checked"),
          ("gpipe", "fixed"), ("gpipe", "learned"), ("gpipe", "long"), ("1f1b", "long"),
+         ("1f1b", "told"), ("1f1b", "told checked"), ("gpipe", "told"), ("minimal", "told"),
+         ("interleaved", "told"),
          ("interleaved", "fixed"),
          ("interleaved", "checked")]
 
@@ -269,6 +275,19 @@ def _mistakes(rank: int) -> dict:
         except MimoFxError as err:
             out[who] = str(err)
         bridge.destroy()  # on every rank: groups are created and released alike
+    # a told bridge: a sender that misses a size, a receiver that gives them all (the
+    # other side makes no call: it would wait for what the mistaken side never posts)
+    for who in ("sender", "receiver"):
+        bridge = Bridge(src, dst, None, torch.float64, told=True)
+        try:
+            if who == "sender" and rank < 2:
+                bridge.send_forward(torch.zeros(B, H // 2, dtype=torch.float64), {"b": B})
+            elif who == "receiver" and 2 <= rank < 4:
+                bridge.recv_forward(sizes={"b": B, "h": H})
+            out["told " + who] = "no error"
+        except MimoFxError as err:
+            out["told " + who] = str(err)
+        bridge.destroy()
     # a backward before any forward, and the imperative calls under torch.compile
     bridge = Bridge(Layout(Grid(dp=1), "b h"), Layout(Grid(dp=1, offset=1), "b h"),
                     dtype=torch.float64)
@@ -352,3 +371,14 @@ def test_imperative_call_mistakes_raise(world6):
         if rank < 2:
             assert f"rank {rank}: a backward with no forward waiting for it" in got["no forward"]
         assert "the imperative send/recv calls run eagerly" in got["compiled"], rank
+
+
+def test_told_bridge_mistakes_raise(world6):
+    for rank in range(4):
+        got = world6[rank]["mistakes"]
+        if rank < 2:
+            assert f"rank {rank}: a told bridge's senders give every call's sizes; this " \
+                   f"call misses h" in got["told sender"], got["told sender"]
+        else:
+            assert f"rank {rank}: a told bridge's receivers learn the sizes from the " \
+                   f"senders; pass none" in got["told receiver"], got["told receiver"]

@@ -172,8 +172,11 @@ class BridgeCommunicator:
                 f"{self.dst.grid!r}); for modules on the same ranks use "
                 f"ColocatedBridgeCommunicator")
         dtype = comm_dtype if comm_dtype is not None else torch.get_default_dtype()
+        # Megatron's shape exchange: the source's boundary ranks know each call's sizes
+        # (its batch even over DP), the destination learns them from one message each
+        self._told = sizes is None and not variable_tokens
         self._bridge = Bridge(self.src, self.dst, sizes, dtype, frozen=frozen,
-                              checked=checked)
+                              checked=checked, told=self._told)
         self.frozen = frozen
         _LIVE.add(self)
 
@@ -200,7 +203,8 @@ class BridgeCommunicator:
         """Send this rank's activation to the destination grid; returns once it is
         posted (the data in flight)."""
         self._check(self.src_grid, "send_forward", "source")
-        self._bridge.send_forward(self._here(self.src, tensor_to_send))
+        x = self._here(self.src, tensor_to_send)
+        self._bridge.send_forward(x, self._sizes(x))
 
     def recv_forward(self) -> torch.Tensor | None:
         """This rank's activation from the source grid (None off the first stage)."""
@@ -228,9 +232,10 @@ class BridgeCommunicator:
         self._check(self.src_grid, "send_forward_recv_backward", "source")
         x = self._here(self.src, input_tensor)
         if self.frozen:
-            self._bridge.send_forward(x)
+            self._bridge.send_forward(x, self._sizes(x))
             return None
-        return self._here(self.src, self._bridge.send_forward_recv_backward(x))
+        return self._here(self.src, self._bridge.send_forward_recv_backward(
+            x, sizes=self._sizes(x)))
 
     def send_backward_recv_forward(self, grad_tensor: torch.Tensor,
                                    forward_shape: tuple | None = None) -> torch.Tensor | None:
@@ -241,6 +246,19 @@ class BridgeCommunicator:
             return self._here(self.dst, self._bridge.recv_forward())
         y = self._bridge.send_backward_recv_forward(self._here(self.dst, grad_tensor))
         return self._here(self.dst, y)
+
+    def _sizes(self, x: torch.Tensor | None) -> dict | None:
+        """A told call's sizes, from this boundary rank's piece (each dim's local size
+        times its shards: Megatron's even split); None elsewhere."""
+        if not self._told or x is None:
+            return None
+        if x.dim() != len(self.src.dims):
+            raise MimoFxError(f"[Bridge Communicator] rank {self.current_rank}: a "
+                              f"{x.dim()}-D tensor of shape {tuple(x.shape)} but the source "
+                              f"layout {self.src.describe()!r} has {len(self.src.dims)} dims; "
+                              f"pass this rank's activation (tensor_ndim="
+                              f"{self.tensor_ndim})")
+        return {d: int(n) * self.src.shards(d) for d, n in zip(self.src.dims, x.shape)}
 
     # -- lifetime -----------------------------------------------------------------------
     @property
