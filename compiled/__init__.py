@@ -36,11 +36,11 @@ OPTIONS = ("sizes", *OPTION_NAMES)
 
 def prepare(src: Layout, dst: Layout, sizes: dict | None = None, dtype=torch.float32, *,
             grad_partial=(), comm_dtype=None, checked: bool = False,
-            device=None, frozen: bool | None = None) -> Redistributor:
+            device=None, frozen: bool | None = None, grad_comm_dtype=None) -> Redistributor:
     """Create (once) the bridge :func:`redistribute` uses for these layouts and options.
     ``sizes`` pins those dims (calls then give them or nothing, and gather nothing for
     them); the others are given or learned per call."""
-    opts = Options(dtype, grad_partial, comm_dtype, checked, device, frozen)
+    opts = Options(dtype, grad_partial, comm_dtype, checked, device, frozen, grad_comm_dtype)
     return bridge_for(src, dst, opts, sizes)
 
 
@@ -65,7 +65,7 @@ def bridge_for(src: Layout, dst: Layout, opts: Options, sizes: dict | None = Non
         bridge = live.keep(key, Redistributor(
             src, dst, sizes, opts.dtype, grad_partial=opts.grad_partial,
             comm_dtype=opts.comm_dtype, checked=opts.checked, device=opts.device,
-            frozen=opts.frozen))
+            frozen=opts.frozen, grad_comm_dtype=opts.grad_comm_dtype))
     elif sizes and size_arguments(src, dst, sizes, {}, where, OPTIONS) != bridge.fixed:
         raise MimoFxError(f"{where}: {src.describe()!r} -> {dst.describe()!r} is already "
                           f"prepared with sizes {bridge.fixed}, not {sizes}; call "
@@ -75,7 +75,7 @@ def bridge_for(src: Layout, dst: Layout, opts: Options, sizes: dict | None = Non
 
 def redistribute(x: torch.Tensor | None, src: Layout, dst: Layout, *, sizes=None,
                  grad_partial=(), comm_dtype=None, checked: bool = False, dtype=None,
-                 frozen: bool | None = None, **dim_sizes):
+                 frozen: bool | None = None, grad_comm_dtype=None, **dim_sizes):
     """This rank's part of ``redistribute``.
 
     Global sizes come from ``sizes={dim: n}`` and size keywords (``b=8``); those not
@@ -87,7 +87,8 @@ def redistribute(x: torch.Tensor | None, src: Layout, dst: Layout, *, sizes=None
     require_world("redistribute on a single tensor")
     if dtype is None:
         dtype = x.dtype if isinstance(x, torch.Tensor) else torch.float32
-    opts = Options(dtype, grad_partial, comm_dtype, checked, frozen=frozen)
+    opts = Options(dtype, grad_partial, comm_dtype, checked, frozen=frozen,
+                   grad_comm_dtype=grad_comm_dtype)
     bridge = bridge_for(src, dst, opts, where="redistribute")
     # the call's batch, where the bridge serves several (see CallSizes.batch_of)
     return bridge(x, given, **bridge.sizing.batch_of(src, dst))

@@ -32,7 +32,9 @@ this is the pipelined bridge's size gather, also point-to-point) or takes them f
 the call, and each backward runs at the sizes of the oldest forward whose backward has
 not run yet. Unchecked, only the senders' size rows travel: gathered at the first
 sender, which sends the table on to every other rank (two messages for most ranks); a
-receiver checks its own call against it. Built with ``told=True`` the senders give
+receiver checks its own call against it (a row bridge's calls bring their batch: there
+every rank's row goes to every rank, as checked, so a receiver that passed another
+batch raises on the senders too). Built with ``told=True`` the senders give
 every call's sizes and the receivers none (as a pipeline's first stage knows its shapes
 and the next does not, Megatron's shape exchange): each receiver learns them from one
 message of one sender, and no sender waits. Checked, a call posts every row it sends to
@@ -84,7 +86,10 @@ class Bridge(Redistributor):
             raise MimoFxError(f"told={told!r} must be True (the senders give every call's "
                               f"sizes, the receivers none) or False")
         super().__init__(*args, **kwargs)
-        if told and self.sizing.batch_of(self.src, self.dst):
+        # a bridge whose calls bring their batch (a row bridge): its size rows go to every
+        # rank, so a receiver that passed another batch raises on the senders too
+        self._batched = bool(self.sizing.batch_of(self.src, self.dst))
+        if told and self._batched:
             Redistributor.destroy(self)  # (on every rank: every rank raises)
             raise MimoFxError(self._context() + "told=True is for box layouts (a row "
                               "bridge's receivers take the batch from their call)")
@@ -118,7 +123,8 @@ class Bridge(Redistributor):
                                      for loc, c in zip(local, self._channels)]
             else:  # one grid: a collective pairs calls its ranks all issue alike
                 comms = list(local)
-            self._pipe = tuple(CompiledExecutor(c, self.executor.comm_dtype, name=self.name)
+            self._pipe = tuple(CompiledExecutor(c, self.executor.comm_dtype, name=self.name,
+                                                wires=self.executor.wires)
                                for c in comms)
         # dropped without destroy(): its channels go with its other groups
         weakref.finalize(self, _dropped, self._channel_lease, self._channels)
@@ -142,7 +148,7 @@ class Bridge(Redistributor):
                     .view(len(union), -1)), union, None
         receivers = (self.dst if direction == 0 else self.src).grid.ranks
         senders = (self.src if direction == 0 else self.dst).grid.ranks
-        if kind == SIZES and not self.checked:
+        if kind == SIZES and not self.checked and not self._batched:
             return self._rooted_rows(row, self._senders())
         now = union if self.rank in receivers else tuple(r for r in union if r in senders)
         # (the rows it waits for in a grouped call of their own: on NCCL a group's

@@ -160,17 +160,21 @@ class CompiledExecutor:
 
     ``local`` is the rank's src piece, or an empty placeholder on ranks holding none;
     the result is the dst piece, or an empty tensor where it holds none. With
-    ``comm_dtype`` data moves in that dtype and comes back in the caller's. A bridge's
+    ``comm_dtype`` data moves in that dtype and comes back in the caller's (``wires``:
+    a dtype per direction, as :meth:`.options.Options.wires` gives them). A bridge's
     executor has a comm per direction (``backward_comm``: its backward's own groups, so
     a forward can never pair with a backward) and names its collectives (``name``, see
     :mod:`.timeouts`).
     """
 
     def __init__(self, comm: Comm, comm_dtype: torch.dtype | None = None,
-                 backward_comm: Comm | None = None, name: str = "") -> None:
+                 backward_comm: Comm | None = None, name: str = "",
+                 wires: dict | None = None) -> None:
         self.comm = comm
         self.comms = {"forward": comm, "backward": backward_comm or comm}
         self.comm_dtype = comm_dtype
+        # the dtype each direction moves data in (None: the caller's; Options.wires)
+        self.wires = wires or {"forward": comm_dtype, "backward": comm_dtype}
         self.name = name
         self._named: dict[tuple[int, str], tuple[Program, list[str]]] = {}  # see _sites
         # checked mode's check of a backward call: (cotangent, program, numbers) -> ok
@@ -214,7 +218,7 @@ class CompiledExecutor:
         if self.check is not None and direction == "backward" and not self.check(
                 local, program, PLAIN if env is None else Numbers(env)):
             return (local.new_zeros((0,) * program.out_ndim),)  # (raises when it runs)
-        comm, wire = self.comms[direction], self.comm_dtype
+        comm, wire = self.comms[direction], self.wires[direction]
         straight = program.straight
         if straight is not None:
             prefix = f"{self.name}|{direction}|" if self.name else ""
@@ -294,7 +298,7 @@ class Started:
         assert program is not None
         op = program.ops[i]
         site = ex._sites(program, self.direction)[i]
-        flat = _pack(self.entries, op, ex.comm_dtype, self.num, self.inputs)
+        flat = _pack(self.entries, op, ex.wires[self.direction], self.num, self.inputs)
         if ex.count and not torch.compiler.is_compiling():
             _count(ex.moved, op, flat, self.num)
         self.pending = (i, ex.comms[self.direction].start(
@@ -305,7 +309,7 @@ class Started:
         i, handle = self.pending
         self.pending = None
         flat = handle.wait()
-        if self.executor.comm_dtype is not None:
+        if self.executor.wires[self.direction] is not None:
             flat = flat.to(self.local.dtype)
         assert self.program is not None
         self.entries += _unpacked(flat, self.program.ops[i], self.num)

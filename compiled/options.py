@@ -31,6 +31,8 @@ class Options:
         dtype: the dtype of the tensors moved (the caller's).
         grad_partial: dst replicated axes whose cotangents are summed (see the op).
         comm_dtype: move data in this dtype (e.g. bf16) and return ``dtype``.
+        grad_comm_dtype: move the backward's cotangents in this dtype (None: as
+            ``comm_dtype``), e.g. activations in bf16, their gradients in float32.
         checked: every rank gathers what every rank was called with before each call, so any
             rank's mistake raises on every rank (see :mod:`.guard`).
         device: where data moves and ranks without a src piece make their placeholder
@@ -51,11 +53,13 @@ class Options:
     checked: bool = False
     device: str | None = None
     frozen: bool | None = None
+    grad_comm_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grad_partial", axis_names(self.grad_partial, "grad_partial"))
-        for name, value in (("dtype", self.dtype), ("comm_dtype", self.comm_dtype)):
-            if not isinstance(value, torch.dtype) and not (name == "comm_dtype" and value is None):
+        for name, value in (("dtype", self.dtype), ("comm_dtype", self.comm_dtype),
+                            ("grad_comm_dtype", self.grad_comm_dtype)):
+            if not isinstance(value, torch.dtype) and not (name != "dtype" and value is None):
                 raise MimoFxError(f"{name}={value!r} must be a torch.dtype, e.g. torch.bfloat16")
         if not isinstance(self.checked, bool):
             raise MimoFxError(f"checked={self.checked!r} must be True or False")
@@ -66,11 +70,17 @@ class Options:
         if self.device is not None:
             object.__setattr__(self, "device", str(torch.device(self.device)))
         _check_comm_dtype(self.dtype, self.comm_dtype)
+        _check_comm_dtype(self.dtype, self.grad_comm_dtype, "grad_comm_dtype")
 
     @staticmethod
     def names() -> tuple[str, ...]:
         """Every option's name, in declaration order."""
         return tuple(f.name for f in fields(Options))
+
+    def wires(self) -> dict[str, torch.dtype | None]:
+        """The dtype data moves in, by direction (None: the caller's ``dtype``)."""
+        grad = self.comm_dtype if self.grad_comm_dtype is None else self.grad_comm_dtype
+        return {"forward": self.comm_dtype, "backward": None if grad == self.dtype else grad}
 
     def resolved_device(self) -> torch.device:
         """The device data moves on."""
@@ -86,7 +96,8 @@ OPTION_NAMES = Options.names()
 _FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_comm_dtype(dtype: torch.dtype, wire: torch.dtype | None) -> None:
+def _check_comm_dtype(dtype: torch.dtype, wire: torch.dtype | None,
+                      name: str = "comm_dtype") -> None:
     """``comm_dtype`` only where it is lossless, or an explicit lower-precision float for
     float data: it never changes values by accident."""
     if wire is None or wire == dtype:
@@ -98,7 +109,7 @@ def _check_comm_dtype(dtype: torch.dtype, wire: torch.dtype | None) -> None:
     wider = "complex" if dtype.is_complex else "integer"
     fix = ("a lower-precision float (torch.bfloat16 or torch.float16)"
            if dtype in _FLOATS else f"None (move {dtype} as it is), or a wider {wider} type")
-    raise MimoFxError(f"comm_dtype={wire} would change {dtype} data (it cannot hold every "
+    raise MimoFxError(f"{name}={wire} would change {dtype} data (it cannot hold every "
                       f"{dtype} value); use {fix}")
 
 

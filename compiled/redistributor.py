@@ -70,7 +70,8 @@ class Redistributor:
         sizes: global sizes of the dims that never change (``None`` or a part of the
             dims: the others are given or learned per call, see :mod:`.sizing`). A ragged
             dim's size is its tuple of counts.
-        dtype, grad_partial, comm_dtype, checked, device, frozen: the bridge's options
+        dtype, grad_partial, comm_dtype, checked, device, frozen, grad_comm_dtype: the
+            bridge's options
             (:class:`~.options.Options`; ``frozen``: a source that needs no gradient,
             see :meth:`frozen`). ``checked``: before each call all ranks
             gather what they were called with (on a group of their own), so any
@@ -92,10 +93,10 @@ class Redistributor:
     def __init__(self, src: Layout, dst: Layout, sizes: dict | None = None,
                  dtype=torch.float32, *, grad_partial=(), comm_dtype=None,
                  checked: bool = False, device=None, name: str | None = None,
-                 frozen: bool | None = None) -> None:
+                 frozen: bool | None = None, grad_comm_dtype=None) -> None:
         self.rank = require_world("Redistributor")
         self._define(src, dst, sizes, Options(dtype, grad_partial, comm_dtype, checked,
-                                              device, frozen), name)
+                                              device, frozen, grad_comm_dtype), name)
         src, dst, opts = self.src, self.dst, self.options
         self.union, self.involved = self.sizing.union, self.rank in self.sizing.union
         self.device = opts.resolved_device()
@@ -122,11 +123,11 @@ class Redistributor:
         weakref.finalize(self, _dropped, self.lease, self.name, live.BRIDGES[self.name],
                          self._named)
         self.executor = CompiledExecutor(self.lease.comm(fwd), comm_dtype,
-                                         self.lease.comm(bwd), self.name)
+                                         self.lease.comm(bwd), self.name, opts.wires())
         needs_check_comm = (checked or self.sizing.varies) and checks and self.involved
         self._check_comm = self.lease.comm(CHECK) if needs_check_comm else None
         key = (src, dst, sorted(self.fixed.items()), str(opts.dtype), opts.grad_partial,
-               str(comm_dtype), self.name)
+               str(comm_dtype), str(opts.grad_comm_dtype), self.name)
         self.guard = Guard(src, dst, self.rank, self.union, opts.dtype, self.device, checked,
                            self._check_comm, key, self._context(), self.name,
                            self.sizing.shape)
@@ -223,7 +224,8 @@ class Redistributor:
         return {"kind": type(self).__name__, "src": repr(key_of(self.src)),
                 "dst": repr(key_of(self.dst)),
                 "sizes": repr(dict(sorted(self.fixed.items()))), "dtype": str(o.dtype),
-                "comm_dtype": str(o.comm_dtype), "grad_partial": repr(o.grad_partial),
+                "comm_dtype": str(o.comm_dtype), "grad_comm_dtype": str(o.grad_comm_dtype),
+                "grad_partial": repr(o.grad_partial),
                 "checked": str(o.checked), "device": self.device.type,
                 "frozen": str(o.frozen)}
 

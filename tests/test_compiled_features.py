@@ -131,6 +131,35 @@ def _features(rank: int, world: int) -> dict:
         out["comm_dtype"] = None if y.numel() == 0 else "src-only rank got data"
     bridge.destroy()
 
+    from mimo_fx.compiled import backward as run_backward
+
+    # grad_comm_dtype: each direction its own wire dtype, eager and compiled (aot_eager):
+    # activations in bf16 and gradients in fp32, then the other way round
+    gen = torch.Generator().manual_seed(5)
+    t = torch.randn(x.shape, generator=gen)
+    bf = lambda v: v.to(torch.bfloat16).to(torch.float32)  # noqa: E731
+    problems = []
+    for fwd_wire, bwd_wire in ((torch.bfloat16, torch.float32), (None, torch.bfloat16)):
+        bridge = Redistributor(enc, llm, SIZES, comm_dtype=fwd_wire, grad_comm_dtype=bwd_wire)
+        want_y = bf(x) if fwd_wire is not None else x
+        want_g = bf(t) if bwd_wire is torch.bfloat16 else t
+        for how in ("eager", "aot_eager"):
+            def loss(v, bridge=bridge, cot=shard(t, llm).get(rank, torch.zeros(0))):
+                y = bridge(v)
+                return (y * cot).sum(), y
+            fn = loss if how == "eager" else torch.compile(loss, backend="aot_eager",
+                                                           fullgraph=True)
+            leaf = shard(x, enc).get(rank)
+            leaf = leaf.clone().requires_grad_() if leaf is not None else None
+            total, y = fn(leaf)
+            run_backward(total)
+            if rank >= 2 and not torch.equal(y, shard(want_y, llm)[rank]):
+                problems.append(f"{how} {fwd_wire}/{bwd_wire}: forward differs")
+            if rank < 2 and not torch.equal(leaf.grad, shard(want_g, enc)[rank]):
+                problems.append(f"{how} {fwd_wire}/{bwd_wire}: gradient differs")
+        bridge.destroy()
+    out["grad_comm_dtype"] = "; ".join(problems) or None
+
     # ranks without a src piece pass None under torch.compile too, and still run the
     # backward's collectives (plain autograd: loss.backward())
     bridge = Redistributor(enc, llm, SIZES)
@@ -389,7 +418,8 @@ def world2(worlds):
 
 
 FEATURES = ["aot_eager_eager_matches_math", "aot_eager_graph_breaks",
-            "aot_eager_compiled_equals_eager", "comm_dtype", "none_under_compile",
+            "aot_eager_compiled_equals_eager", "comm_dtype", "grad_comm_dtype",
+            "none_under_compile",
             "none_in_func_warns", "none_off_src", "off_both_grids", "checked_mismatch",
             "checked_ok_call", "pipelined_bridge", "packed_bridge", "packed_bridge_checked",
             "packed_bridge_batch_differs",

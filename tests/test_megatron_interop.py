@@ -342,6 +342,49 @@ def _beyond_frozen(mods, rank: int) -> tuple[list, int]:
     return problems + more, count
 
 
+def _beyond_wires(mods, rank: int, kind: str) -> tuple[list, int]:
+    """``wire_dtypes``: activations in bf16 and gradients in float32 on the wire, then the
+    other way round; results float32. Pipelined TP2xDP2 -> DP4 and colocated
+    TP2xDP4 -> TP4xDP2: the rounded direction equals bf16-rounded math, the other exact
+    (random values: bf16 rounding changes them)."""
+    from mimo_fx.interop.megatron import BridgeCommunicator, ColocatedBridgeCommunicator
+
+    bf = lambda t: None if t is None else t.to(torch.bfloat16).to(torch.float32)  # noqa: E731
+    problems, count = [], 0
+    for wires in ((torch.bfloat16, None), (None, torch.bfloat16)):
+        X, G = _full([B, S, H], 110), _full([B, S, H], 111)
+        Xw = bf(X) if wires[0] is not None else X
+        Gw = bf(G) if wires[1] is not None else G
+        if kind == "pipelined":
+            src_grid, dst_grid = _grid(mods, tp=2, dp=2), _grid(mods, dp=4, offset=4)
+
+            def piece(full, grid):
+                return _replica_piece(full, grid, rank, 0) if _in(grid, rank) else None
+            comm = BridgeCommunicator(src_grid, dst_grid, comm_dtype=torch.float32,
+                                      wire_dtypes=wires)
+            try:
+                got = _pipelined_run(comm, rank, src_grid, dst_grid, [piece(X, src_grid)],
+                                     [piece(G, dst_grid)], "plain")
+            finally:
+                comm.destroy()
+            want = ([None, piece(Gw, src_grid)] if _in(src_grid, rank)
+                    else [piece(Xw, dst_grid), None])
+        else:
+            grid = mods["hyper_comm_grid"].HyperCommGrid
+            src_grid, dst_grid = grid([2, 4], ["tp", "dp"]), grid([4, 2], ["tp", "dp"])
+            comm = ColocatedBridgeCommunicator(src_grid, dst_grid, wire_dtypes=wires)
+            try:
+                got = _colocated_run(comm, _replica_piece(X, src_grid, rank, 0),
+                                     _replica_piece(G, dst_grid, rank, 0))
+            finally:
+                comm.destroy()
+            want = [_replica_piece(Xw, dst_grid, rank, 0), _replica_piece(Gw, src_grid, rank, 0)]
+        more, n = _compare(got, want, f"{kind} wire_dtypes={wires}")
+        problems += more
+        count += n
+    return problems, count
+
+
 def _beyond_async(mods, rank: int) -> tuple[list, int]:
     """send_forward returns with its data in flight: the encoder sends 4 MiB, then meets
     the LLM ranks in a barrier that they reach before their recv_forward (a send that
@@ -415,6 +458,8 @@ def _world(rank: int, size: int, root: str) -> dict:
                    ("beyond colocated tokens", _beyond_colocated, ("tokens",)),
                    ("beyond frozen", _beyond_frozen, ()),
                    ("beyond async", _beyond_async, ()), ("misuse", _misuse, ()),
+                   ("beyond wires pipelined", _beyond_wires, ("pipelined",)),
+                   ("beyond wires colocated", _beyond_wires, ("colocated",)),
                    ("example", _example, ([], False)),
                    ("example megatron", _example, ([], True)),
                    ("example dest cp", _example, (["--dest-cp", "2"], False)),
@@ -446,7 +491,8 @@ CHECKS = ([f"pipelined {n} {o}" for n in PIPELINED for o in ("plain", "1f1b")]
           + [f"colocated {n}" for n in COLOCATED]
           + ["beyond cp dst", "beyond cp src", "beyond variable tokens",
              "beyond colocated cp", "beyond colocated tokens", "beyond frozen",
-             "beyond async", "misuse", "example", "example megatron", "example dest cp",
+             "beyond async", "beyond wires pipelined", "beyond wires colocated", "misuse",
+             "example", "example megatron", "example dest cp",
              "example tokens"])
 
 

@@ -123,6 +123,19 @@ def _layout(g: Grid, mapping: dict, batch: str, stage: int | None, zigzag: bool,
                   ragged=(dp,) if variable_tokens and dp else ())
 
 
+def _wires(wire_dtypes, dtype: torch.dtype) -> dict:
+    """A bridge's ``comm_dtype``/``grad_comm_dtype`` for ``wire_dtypes`` (``(forward,
+    backward)``, None for ``dtype``) on data of ``dtype``."""
+    if wire_dtypes is None:
+        return {}
+    if not (isinstance(wire_dtypes, tuple) and len(wire_dtypes) == 2 and all(
+            w is None or isinstance(w, torch.dtype) for w in wire_dtypes)):
+        raise MimoFxError(f"wire_dtypes={wire_dtypes!r} must be a pair (forward, backward) of "
+                          f"torch dtypes or None, e.g. (torch.bfloat16, None)")
+    forward, backward = wire_dtypes
+    return {"comm_dtype": forward, "grad_comm_dtype": dtype if backward is None else backward}
+
+
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the pipelined communicators not yet destroyed
 
 
@@ -144,14 +157,16 @@ class BridgeCommunicator:
     call), ``frozen`` (the source needs no gradient: no backward transfer; the backward
     calls return None), ``sizes`` (fixed ``{"b": .., "s": .., "h": ..}``, or ``t``/``h``
     in 2-D: no per-call shape exchange), ``checked`` (every call's shapes checked on
-    every rank first).
+    every rank first), ``wire_dtypes`` (``(forward, backward)``: the dtypes activations
+    and gradients travel in, None for ``comm_dtype``; results keep ``comm_dtype``).
     """
 
     def __init__(self, src_grid, dest_grid, dim_mapping: dict | None = None,
                  comm_dtype: torch.dtype | None = None, src_module_name: str | None = None,
                  dest_module_name: str | None = None, tensor_ndim: int = 3, *,
                  zigzag: bool = True, variable_tokens: bool = False, frozen: bool = False,
-                 sizes: dict | None = None, checked: bool = False) -> None:
+                 sizes: dict | None = None, checked: bool = False,
+                 wire_dtypes: tuple | None = None) -> None:
         from mimo_fx.compiled import Bridge
 
         if tensor_ndim not in (2, 3):
@@ -176,7 +191,7 @@ class BridgeCommunicator:
         # (its batch even over DP), the destination learns them from one message each
         self._told = sizes is None and not variable_tokens
         self._bridge = Bridge(self.src, self.dst, sizes, dtype, frozen=frozen,
-                              checked=checked, told=self._told)
+                              checked=checked, told=self._told, **_wires(wire_dtypes, dtype))
         self.frozen = frozen
         _LIVE.add(self)
 
@@ -301,14 +316,16 @@ class ColocatedBridgeCommunicator:
     Beyond Megatron (keyword-only): CP > 1 on either side (``zigzag`` as above; Megatron
     requires CP = 1), ``variable_tokens`` (each DP replica its own count on the batch dim,
     learned per call), ``frozen`` (as :class:`~mimo_fx.compiled.Redistributor`'s; default:
-    decided by whether the source requires grad), ``checked``.
+    decided by whether the source requires grad), ``checked``, ``wire_dtypes``
+    (``(forward, backward)``: the dtypes activations and gradients travel in, None for
+    the input's; results keep the input's dtype).
     """
 
     def __init__(self, src_grid, dest_grid, src_module_name: str = "src",
                  dest_module_name: str = "dest", dim_mapping: dict | None = None, *,
                  zigzag: bool = True, variable_tokens: bool = False,
                  frozen: bool | None = None, checked: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, wire_dtypes: tuple | None = None) -> None:
         from mimo_fx.compiled import Redistributor
 
         self.src_grid, self.dest_grid = src_grid, dest_grid
@@ -342,6 +359,8 @@ class ColocatedBridgeCommunicator:
         self._dtype = dtype
         self._red: dict = {}  # dtype -> Redistributor (built on first use of a dtype)
         self._checked, self._frozen = checked, frozen
+        _wires(wire_dtypes, torch.float32)  # (checked now; applied per dtype)
+        self._wire_dtypes = wire_dtypes
         self._make = Redistributor
         if dtype is not None:
             self._bridge_for(dtype)
@@ -350,7 +369,8 @@ class ColocatedBridgeCommunicator:
         red = self._red.get(dtype)
         if red is None:
             red = self._red[dtype] = self._make(self.src, self.dst, None, dtype,
-                                                frozen=self._frozen, checked=self._checked)
+                                                frozen=self._frozen, checked=self._checked,
+                                                **_wires(self._wire_dtypes, dtype))
         return red
 
     def is_fan_in(self) -> bool:
