@@ -220,6 +220,42 @@ def _colocated_case(mods, rank: int, name: str) -> tuple[list, int]:
     return problems + more, count
 
 
+def _colocated_compiled(mods, rank: int, backend: str) -> tuple[list, int]:
+    """The colocated drop-in's ``communicate`` inside a ``torch.compile``'d step
+    (``fullgraph=True``), fan-in TP2xDP4 -> TP4xDP2, 2 steps of other inputs with
+    ``loss.backward()``: each step's activation and input gradient equal Megatron's
+    eager ones (the compiled loss is not compared: inductor may sum in another order)."""
+    from mimo_fx.interop.megatron import ColocatedBridgeCommunicator
+
+    grid = mods["hyper_comm_grid"].HyperCommGrid
+    src_grid, dst_grid = grid([2, 4], ["tp", "dp"]), grid([4, 2], ["tp", "dp"])
+    theirs = mods["colocated_communicator"].ColocatedBridgeCommunicator(src_grid, dst_grid)
+    ours = ColocatedBridgeCommunicator(src_grid, dst_grid, dtype=torch.float32)
+    problems, count = [], 0
+    try:
+        w = _replica_piece(_full([B, S, H], 120), dst_grid, rank, 0)
+
+        def step(comm, x):
+            y = comm.communicate(x * 2)
+            return (y * w).sum(), y
+        compiled = torch.compile(lambda x: step(ours, x), backend=backend, fullgraph=True)
+        for k in range(2):
+            x = _replica_piece(_full([B, S, H], 121 + k), src_grid, rank, 0)
+            outs = []
+            for fn in (lambda v: step(theirs, v), compiled):
+                leaf = x.clone().requires_grad_()
+                loss, y = fn(leaf)
+                loss.backward()
+                outs.append([y.detach(), leaf.grad])
+            more, n = _compare(outs[1], outs[0], f"compiled ({backend}) step {k}")
+            problems += more
+            count += n
+    finally:
+        ours.destroy()
+        theirs.destroy()
+    return problems, count
+
+
 # -- beyond Megatron: against full-tensor math ---------------------------------------------------
 def _beyond_cp(mods, rank: int, side: str) -> tuple[list, int]:
     """Pipelined TP2xDP2 -> CP2xDP2 (``side="dst"``) or CP2xDP2 -> TP2xDP2 (``"src"``), 3-D
@@ -451,6 +487,8 @@ def _world(rank: int, size: int, root: str) -> dict:
         checks = [(f"pipelined {n} {o}", _pipelined_case, (n, o))
                   for n in PIPELINED for o in ("plain", "1f1b")]
         checks += [(f"colocated {n}", _colocated_case, (n,)) for n in COLOCATED]
+        checks += [(f"colocated compiled {b}", _colocated_compiled, (b,))
+                   for b in ("aot_eager", "inductor")]
         checks += [("beyond cp dst", _beyond_cp, ("dst",)), ("beyond cp src", _beyond_cp,
                                                              ("src",)),
                    ("beyond variable tokens", _beyond_tokens, ()),
@@ -489,6 +527,7 @@ def world(worlds):
 
 CHECKS = ([f"pipelined {n} {o}" for n in PIPELINED for o in ("plain", "1f1b")]
           + [f"colocated {n}" for n in COLOCATED]
+          + [f"colocated compiled {b}" for b in ("aot_eager", "inductor")]
           + ["beyond cp dst", "beyond cp src", "beyond variable tokens",
              "beyond colocated cp", "beyond colocated tokens", "beyond frozen",
              "beyond async", "beyond wires pipelined", "beyond wires colocated", "misuse",
