@@ -196,7 +196,7 @@ class Channel(Comm):
         if self.rank != root:
             sends = [(root, flat)] if self.rank in rows_of else []
             got = self.exchange(sends, [(root, out)])
-            return Gathered(out, {root: w for w in got}, (root,))
+            return Gathered(out, {root: got[-1]}, (root,))  # (the table's, or the group's)
         out[0].copy_(flat)
         got = self.exchange([], [(p, out[i]) for i, p in enumerate(rows_of) if p != root])
         with waiting(lambda: f"the rows of ranks {list(rows_of[1:])} on a pipelined "

@@ -143,8 +143,9 @@ def _features(rank: int, world: int) -> dict:
         bridge = Redistributor(enc, llm, SIZES, comm_dtype=fwd_wire, grad_comm_dtype=bwd_wire)
         want_y = bf(x) if fwd_wire is not None else x
         want_g = bf(t) if bwd_wire is torch.bfloat16 else t
+        cot = shard(t, llm).get(rank, torch.zeros(0))
         for how in ("eager", "aot_eager"):
-            def loss(v, bridge=bridge, cot=shard(t, llm).get(rank, torch.zeros(0))):
+            def loss(v, bridge=bridge, cot=cot):
                 y = bridge(v)
                 return (y * cot).sum(), y
             fn = loss if how == "eager" else torch.compile(loss, backend="aot_eager",

@@ -181,7 +181,6 @@ def interleaved_order(p: int, sets: int, chunks: int, micro: int) -> list:
 
 def _one_schedule(rank: int, name: str, variant: str) -> list[str]:
     from mimo_fx.compiled import Bridge
-
     from mimo_fx.compiled.bridge import DEFERRED
     from mimo_fx.compiled.p2p import IN_FLIGHT
 
