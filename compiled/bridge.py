@@ -98,6 +98,11 @@ class Bridge(Redistributor):
         # its shapes, the next does not); moot where no size is free
         self.told = told and bool(self.sizing.missing({})) and set(
             self.src.grid.ranks) != set(self.dst.grid.ranks)
+        # (a told bridge between disjoint grids, unchecked, guesses each call's sizes)
+        self._speculates = self.told and not self.checked and not (
+            set(self.src.grid.ranks) & set(self.dst.grid.ranks))
+        self._seen: deque[dict] = deque(maxlen=2)  # the last calls' sizes (see _guess)
+        self.guesses = [0, 0]  # forwards whose guessed sizes held, and failed
         # (sizes, batch) of the forwards awaiting their backward, when these vary by call
         self._in_flight: deque[tuple[dict, dict]] = deque()
         self._deferred: list = []  # (gather, check): rows checked when they arrive
@@ -253,16 +258,20 @@ class Bridge(Redistributor):
 
     def _run(self, direction: int, program, tensor: torch.Tensor, env: dict | None = None,
              index: tuple = ()) -> torch.Tensor:
+        (out,) = self._attempt(direction, lambda: self._pipe[direction].run(
+            program, (tensor,), env, index, direction=("forward", "backward")[direction]))
+        return out
+
+    def _attempt(self, direction: int, step: Callable):
+        """``step()`` without autograd, a failed transfer raised as a MimoFxError."""
         try:
             with torch.no_grad():
-                (out,) = self._pipe[direction].run(program, (tensor,), env, index,
-                                                   direction=("forward", "backward")[direction])
+                return step()
         except RuntimeError as err:
             raise MimoFxError(
                 self._context() + f"rank {self.rank}: the {('forward', 'backward')[direction]} "
                 f"transfer failed ({cause(err)}); every rank of both grids makes the "
                 f"same calls in the same order") from None
-        return out
 
     def _programs(self, full: dict, learned: frozenset, x, batch: dict) -> _Programs:
         return _Programs(self.sizing, full, learned, x, batch)
@@ -299,7 +308,13 @@ class Bridge(Redistributor):
             shape = self._programs(full, frozenset(), x, batch).src_shape
             header, print_ = guard.header(x, "src", shape, full, self._print(full))
             rows, now, rest = self._gather_rows(0, header, CHECKS)
+        guess = self._guess()
+        ahead = None  # a receiver's transfer posted at the guessed sizes
+        if guess is not None and gather:
+            ahead = self._start(guess, batch)
         yield None
+        if guess is not None and not gather and full != guess:
+            self._run_at(guess, batch)  # (what the receivers posted at the guess takes)
         if gather:
             known = full
             full = self._learned(rows(), known, now)
@@ -312,8 +327,48 @@ class Bridge(Redistributor):
             guard.local(x, "src", programs.src_shape, full)
         if self.sizing.varies:
             self._in_flight.append((full, batch))
+        if self._speculates:
+            self._seen.append(full)
+        if guess is not None:
+            self.guesses[full != guess] += 1
+        if ahead is not None:
+            y = self._finish(ahead)
+            if full == guess:
+                yield y
+                return
         x = self._placeholder(self.src) if x is None else x.detach()
         yield self._run(0, programs.fwd, x, programs.env, programs.index)
+
+    # -- a told bridge's guess: the transfer posted before the sizes are there -----------
+    def _guess(self) -> dict | None:
+        """The sizes a told call is guessed to move: the last call's, where the two last
+        calls moved the same (every rank of both grids guesses alike). A receiver posts
+        its transfer at the guess with the rows' receives, so where the guess holds, the
+        data arrives in the same hop as the rows; where it fails, the senders first send
+        what the guess posted (zeros, dropped), then the call at its sizes."""
+        if not self._speculates or len(self._seen) < 2 or self._seen[0] != self._seen[1]:
+            return None
+        return self._seen[1]
+
+    def _start(self, full: dict, batch: dict):
+        """This receiver's forward program at ``full`` sizes, posted (not waited)."""
+        programs = self._programs(full, frozenset(), None, batch)
+        return self._attempt(0, lambda: self._pipe[0].start(
+            programs.fwd, (self._placeholder(self.src),), programs.env, programs.index,
+            direction="forward"))
+
+    def _finish(self, started) -> torch.Tensor:
+        (out,) = self._attempt(0, started.finish)
+        return out
+
+    def _run_at(self, full: dict, batch: dict) -> None:
+        """This sender's forward program at ``full`` sizes on zeros (its holders' piece
+        shapes there): the messages a guess at ``full`` posted receives for."""
+        programs = self._programs(full, frozenset(), None, batch)
+        shape = programs.src_shape
+        x = (self._placeholder(self.src) if shape is None
+             else torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self._run(0, programs.fwd, x, programs.env, programs.index)
 
     def _learned(self, rows: torch.Tensor, known: dict, ranks: tuple) -> dict:
         """The sizes ``rows`` give (:meth:`.sizing.CallSizes.sizes_from`), read once: a

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from mimo_fx.plan import Collective
 
-from .comm import OPS, Comm, post, waited
+from .comm import OPS, Comm, Handle, post, waited
 from .timeouts import waiting
 
 __all__ = ["Channel", "Gathered", "Routed", "SIZES", "CHECKS"]
@@ -138,8 +138,32 @@ class Channel(Comm):
         rows = list(self.all_gather(flat, ranks).view(n, -1))
         return OPS[kind].compute(rows, [out_splits] * n, [in_splits] * n)[ranks.index(self.rank)]
 
+    def start(self, kind: Collective, flat: torch.Tensor, ranks: Ranks,
+              out_splits: Sequence[int] = (), in_splits: Sequence[int] = (),
+              site: str = "") -> Handle:
+        """An all-to-all posted (its receives waited by the handle's ``wait()``); any
+        other kind runs here."""
+        if kind is not Collective.ALL_TO_ALL:
+            return super().start(kind, flat, ranks, out_splits, in_splits, site)
+        out, works = self._post_all_to_all(flat, out_splits, in_splits, ranks)
+        return Handle(out, works, site, kind)
+
     def all_to_all(self, flat: torch.Tensor, out_splits: Sequence[int],
                    in_splits: Sequence[int], ranks: Ranks) -> torch.Tensor:
+        out, works = self._post_all_to_all(flat, out_splits, in_splits, ranks)
+        if works:
+            with waiting(lambda: f"ranks {sorted(self._peers(out_splits, ranks))}'s "
+                                 f"messages on a pipelined bridge's channel"):
+                for work in works:
+                    work.wait()
+            waited(works)
+        return out
+
+    def _peers(self, out_splits: Sequence[int], ranks: Ranks) -> set[int]:
+        return {p for p, n in zip(ranks, out_splits) if n and p != self.rank}
+
+    def _post_all_to_all(self, flat: torch.Tensor, out_splits: Sequence[int],
+                         in_splits: Sequence[int], ranks: Ranks) -> tuple[torch.Tensor, list]:
         out = flat.new_empty(sum(out_splits))
         sends, recvs = [], []
         at = 0
@@ -152,13 +176,7 @@ class Channel(Comm):
             if n:
                 recvs.append((peer, out[at:at + n]))
             at += n
-        works = self.exchange(sends, recvs)
-        with waiting(lambda: f"ranks {sorted({p for p, _ in recvs})}'s messages on a "
-                             f"pipelined bridge's channel"):
-            for work in works:
-                work.wait()
-        waited(works)
-        return out
+        return out, self.exchange(sends, recvs)
 
     def all_gather(self, flat: torch.Tensor, ranks: Ranks) -> torch.Tensor:
         return self.start_gather(flat, ranks).wait().view(-1)
@@ -250,3 +268,8 @@ class Routed(Comm):
                    out_splits: Sequence[int] = (), in_splits: Sequence[int] = (),
                    site: str = "") -> torch.Tensor:
         return self._comm(ranks).collective(kind, flat, ranks, out_splits, in_splits, site)
+
+    def start(self, kind: Collective, flat: torch.Tensor, ranks: Ranks,
+              out_splits: Sequence[int] = (), in_splits: Sequence[int] = (),
+              site: str = "") -> Handle:
+        return self._comm(ranks).start(kind, flat, ranks, out_splits, in_splits, site)

@@ -111,12 +111,15 @@ def _pipelined_run(comm, rank, src_grid, dst_grid, xs, gs, order: str):
         if on_dst:
             return [comm.recv_forward(), comm.send_backward(gs[0])]
         return []
-    if on_src:  # 1F1B: warm-up forward, a steady-state step, the cool-down backward
-        return [comm.send_forward(xs[0]), comm.send_forward_recv_backward(xs[1]),
-                comm.recv_backward()]
+    n = len(xs)
+    if on_src:  # 1F1B: warm-up forward, steady-state steps, the cool-down backward
+        return ([comm.send_forward(xs[0])]
+                + [comm.send_forward_recv_backward(xs[i]) for i in range(1, n)]
+                + [comm.recv_backward()])
     if on_dst:
-        return [comm.recv_forward(), comm.send_backward_recv_forward(gs[0]),
-                comm.send_backward(gs[1])]
+        return ([comm.recv_forward()]
+                + [comm.send_backward_recv_forward(gs[i - 1]) for i in range(1, n)]
+                + [comm.send_backward(gs[n - 1])])
     return []
 
 
@@ -162,6 +165,36 @@ def _pipelined_case(mods, rank: int, name: str, order: str) -> tuple[list, int]:
     finally:
         ours.destroy()
     return _compare(got, want, f"{name} {order}")
+
+
+def _pipelined_varying(mods, rank: int) -> tuple[list, int]:
+    """Fan-in DP4 -> TP2xDP2 in 1F1B order over 8 micro-batches whose sequence length
+    changes (8, 8, 8, 8, 4, 4, 4, 8): the shape exchange learns each, and where two calls
+    in a row moved the same, the next call's transfer is posted at their sizes before the
+    shapes arrive (a guess that holds on the 3rd, 4th and 7th call and fails on the 5th
+    and 8th). Every returned tensor equal to Megatron's."""
+    from mimo_fx.interop.megatron import BridgeCommunicator
+
+    src_grid, dst_grid = _grid(mods, dp=4), _grid(mods, tp=2, dp=2, offset=4)
+    lengths = (8, 8, 8, 8, 4, 4, 4, 8)
+    xs = [_replica_piece(_full([B, s, H], 150 + i), src_grid, rank, 0)
+          if _in(src_grid, rank) else None for i, s in enumerate(lengths)]
+    gs = [_replica_piece(_full([B, s, H], 170 + i), dst_grid, rank, 0)
+          if _in(dst_grid, rank) else None for i, s in enumerate(lengths)]
+    kw = dict(comm_dtype=torch.float32)
+    theirs = mods["bridge_communicator"].BridgeCommunicator(src_grid, dst_grid, **kw)
+    want = _pipelined_run(theirs, rank, src_grid, dst_grid, xs, gs, "1f1b")
+    ours = BridgeCommunicator(src_grid, dst_grid, **kw)
+    try:
+        got = _pipelined_run(ours, rank, src_grid, dst_grid, xs, gs, "1f1b")
+        ours.bridge.flush()
+        if ours.bridge.guesses != [3, 2]:  # (held, failed: both paths ran)
+            got.append(f"guesses held and failed {ours.bridge.guesses}, not [3, 2]")
+    finally:
+        ours.destroy()
+    problems = got[len(want):]
+    more, count = _compare(got[:len(want)], want, "varying lengths 1f1b")
+    return problems + more, count
 
 
 # -- the colocated communicator ----------------------------------------------------------------
@@ -315,6 +348,53 @@ def _beyond_tokens(mods, rank: int) -> tuple[list, int]:
         want = [torch.cat(xs_full[0][2 * dst_d:2 * dst_d + 2]),
                 torch.cat(xs_full[1][2 * dst_d:2 * dst_d + 2]), None]
     return _compare(got, want, "variable tokens")
+
+
+def _beyond_tokens_fan_out(mods, rank: int) -> tuple[list, int]:
+    """Pipelined TP2xDP2 -> DP4, 2-D [T, H], each encoder replica its own token count, two
+    micro-batches in 1F1B order: replica 0 splits its tokens by per-sample sizes (the
+    ``_mimo_bridge_split_sizes`` Megatron reads), replica 1 as ``torch.tensor_split`` does;
+    destination replica 2i + j gets the j-th part of replica i's rows, and each encoder
+    rank its replica's rows of the gradient."""
+    from mimo_fx.interop.megatron import BridgeCommunicator
+
+    src_grid, dst_grid = _grid(mods, tp=2, dp=2), _grid(mods, dp=4, offset=4)
+    samples = [[(1, 2, 0, 3), None], [(0, 0, 4, 1), None]]  # per micro-batch, per replica
+    counts = [(6, 5), (5, 3)]  # tokens per replica
+    parts = []  # per micro-batch, the 4 destination replicas' counts
+    for k in range(2):
+        a = samples[k][0]
+        rest = [len(r) for r in torch.arange(counts[k][1]).tensor_split(2)]
+        parts.append([a[0] + a[1], a[2] + a[3], *rest])
+    xs_full = [_full([sum(c), H], 130 + k) for k, c in enumerate(counts)]
+    gs_full = [_full([sum(c), H], 140 + k) for k, c in enumerate(counts)]
+
+    def rows(full, sizes, i):
+        at = sum(sizes[:i])
+        return full[at:at + sizes[i]]
+    src_i = _coords(src_grid, rank)["dp"] if _in(src_grid, rank) else None
+    dst_d = _coords(dst_grid, rank)["dp"] if _in(dst_grid, rank) else None
+    xs = []
+    for k in range(2):
+        if src_i is None:
+            xs.append(None)
+            continue
+        x = rows(xs_full[k], counts[k], src_i).clone()
+        if samples[k][src_i] is not None:
+            x._mimo_bridge_split_sizes = list(samples[k][src_i])
+        xs.append(x)
+    gs = [rows(gs_full[k], parts[k], dst_d) if dst_d is not None else None for k in range(2)]
+    comm = BridgeCommunicator(src_grid, dst_grid, comm_dtype=torch.float32, tensor_ndim=2,
+                              variable_tokens=True)
+    try:
+        got = _pipelined_run(comm, rank, src_grid, dst_grid, xs, gs, "1f1b")
+    finally:
+        comm.destroy()
+    if src_i is not None:
+        want = [None, rows(gs_full[0], counts[0], src_i), rows(gs_full[1], counts[1], src_i)]
+    else:
+        want = [rows(xs_full[0], parts[0], dst_d), rows(xs_full[1], parts[1], dst_d), None]
+    return _compare(got, want, "variable tokens fan-out")
 
 
 def _beyond_colocated(mods, rank: int, what: str) -> tuple[list, int]:
@@ -486,12 +566,14 @@ def _world(rank: int, size: int, root: str) -> dict:
     with megatron_core.on_cpu():
         checks = [(f"pipelined {n} {o}", _pipelined_case, (n, o))
                   for n in PIPELINED for o in ("plain", "1f1b")]
+        checks += [("pipelined varying lengths", _pipelined_varying, ())]
         checks += [(f"colocated {n}", _colocated_case, (n,)) for n in COLOCATED]
         checks += [(f"colocated compiled {b}", _colocated_compiled, (b,))
                    for b in ("aot_eager", "inductor")]
         checks += [("beyond cp dst", _beyond_cp, ("dst",)), ("beyond cp src", _beyond_cp,
                                                              ("src",)),
                    ("beyond variable tokens", _beyond_tokens, ()),
+                   ("beyond variable tokens fan-out", _beyond_tokens_fan_out, ()),
                    ("beyond colocated cp", _beyond_colocated, ("cp",)),
                    ("beyond colocated tokens", _beyond_colocated, ("tokens",)),
                    ("beyond frozen", _beyond_frozen, ()),
@@ -526,9 +608,11 @@ def world(worlds):
 
 
 CHECKS = ([f"pipelined {n} {o}" for n in PIPELINED for o in ("plain", "1f1b")]
+          + ["pipelined varying lengths"]
           + [f"colocated {n}" for n in COLOCATED]
           + [f"colocated compiled {b}" for b in ("aot_eager", "inductor")]
           + ["beyond cp dst", "beyond cp src", "beyond variable tokens",
+             "beyond variable tokens fan-out",
              "beyond colocated cp", "beyond colocated tokens", "beyond frozen",
              "beyond async", "beyond wires pipelined", "beyond wires colocated", "misuse",
              "example", "example megatron", "example dest cp",

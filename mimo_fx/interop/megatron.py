@@ -34,6 +34,7 @@ returns once its messages are posted. See ``docs/megatron.md``.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -139,6 +140,60 @@ def _wires(wire_dtypes, dtype: torch.dtype) -> dict:
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the pipelined communicators not yet destroyed
 
 
+class _Counts:
+    """Fan-out with variable tokens: the destination replicas' counts, which the source's
+    one count per replica cannot give. Each source boundary replica splits its tokens
+    (its activation's ``_mimo_bridge_split_sizes``, per sample or per destination replica,
+    as Megatron reads it; else ``torch.tensor_split``'s sizes) and the counts move as data
+    on two bridges of their own: to every destination rank (``frozen``: no backward) and
+    to every source rank, so every rank gives the main bridge the same counts."""
+
+    def __init__(self, src: Layout, dst: Layout, fine: int) -> None:
+        from mimo_fx.compiled import Bridge, Redistributor
+
+        self.fine, self.per = fine, fine // _size(src.grid, "dp")
+        pinned = Layout(src.grid, "(dp c)" if "dp" in src.grid.names else "c",
+                        at=src.at or None)
+        self.to_dst = Bridge(pinned, Layout(dst.grid, "c"), {"c": fine}, torch.int64,
+                             frozen=True)
+        self.to_src = Redistributor(pinned, Layout(src.grid, "c"), {"c": fine},
+                                    torch.int64, frozen=True)
+
+    def split(self, x: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+        """This boundary rank's counts for its replica (None off the boundary)."""
+        if x is None:
+            return None
+        n = int(x.shape[batch])
+        given = getattr(x, "_mimo_bridge_split_sizes", None)
+        if given is None:
+            counts = [len(r) for r in torch.arange(n).tensor_split(self.per)]
+        else:
+            counts = [int(c) for c in given]
+            if len(counts) > self.per and len(counts) % self.per == 0:
+                step = len(counts) // self.per
+                counts = [sum(counts[i:i + step]) for i in range(0, len(counts), step)]
+            if len(counts) != self.per or sum(counts) != n:
+                raise MimoFxError(
+                    f"[Bridge Communicator] _mimo_bridge_split_sizes={list(given)}: "
+                    f"{len(counts)} counts summing to {sum(counts)}, but this fan-out "
+                    f"sends {self.per} pieces of the {n} tokens on its batch dim; give one "
+                    f"count per sample or per destination replica, summing to {n}")
+        return torch.tensor(counts, dtype=torch.int64, device=self.to_dst.device)
+
+    def send(self, x: torch.Tensor | None, batch: int) -> tuple:
+        """The counts of every destination replica, posted to the destination too."""
+        mine = self.split(x, batch)
+        self.to_dst.send_forward(mine)
+        return tuple(self.to_src(mine).tolist())
+
+    def recv(self) -> tuple:
+        return tuple(self.to_dst.recv_forward().tolist())
+
+    def destroy(self) -> None:
+        self.to_dst.destroy()
+        self.to_src.destroy()
+
+
 class BridgeCommunicator:
     """Megatron-Core's pipelined ``BridgeCommunicator`` (source and destination on
     different ranks, called from the pipeline schedule), on a mimo_fx
@@ -187,6 +242,12 @@ class BridgeCommunicator:
                 f"{self.dst.grid!r}); for modules on the same ranks use "
                 f"ColocatedBridgeCommunicator")
         dtype = comm_dtype if comm_dtype is not None else torch.get_default_dtype()
+        self._batch = self.dim_mapping.get("b", 0) if tensor_ndim == 3 else 0
+        self._batch_name = "b" if tensor_ndim == 3 else "t"
+        self._counts = None
+        src_dp, dst_dp = _size(self.src.grid, "dp"), _size(self.dst.grid, "dp")
+        if variable_tokens and sizes is None and dst_dp > src_dp:  # (fan-out: see _Counts)
+            self._counts = _Counts(self.src, self.dst, math.lcm(src_dp, dst_dp))
         # Megatron's shape exchange: the source's boundary ranks know each call's sizes
         # (its batch even over DP), the destination learns them from one message each
         self._told = sizes is None and not variable_tokens
@@ -224,7 +285,7 @@ class BridgeCommunicator:
     def recv_forward(self) -> torch.Tensor | None:
         """This rank's activation from the source grid (None off the first stage)."""
         self._check(self.dest_grid, "recv_forward", "destination")
-        return self._here(self.dst, self._bridge.recv_forward())
+        return self._here(self.dst, self._bridge.recv_forward(sizes=self._got_sizes()))
 
     def send_backward(self, grad_tensor: torch.Tensor) -> None:
         """Send the gradient of this rank's activation back to the source grid."""
@@ -258,13 +319,17 @@ class BridgeCommunicator:
         1F1B step). ``forward_shape`` is accepted and unused, as there."""
         self._check(self.dest_grid, "send_backward_recv_forward", "destination")
         if self.frozen:
-            return self._here(self.dst, self._bridge.recv_forward())
-        y = self._bridge.send_backward_recv_forward(self._here(self.dst, grad_tensor))
+            return self._here(self.dst, self._bridge.recv_forward(sizes=self._got_sizes()))
+        y = self._bridge.send_backward_recv_forward(self._here(self.dst, grad_tensor),
+                                                    sizes=self._got_sizes())
         return self._here(self.dst, y)
 
     def _sizes(self, x: torch.Tensor | None) -> dict | None:
         """A told call's sizes, from this boundary rank's piece (each dim's local size
-        times its shards: Megatron's even split); None elsewhere."""
+        times its shards: Megatron's even split); None elsewhere. A fan-out with variable
+        tokens: the destination replicas' counts (see :class:`_Counts`)."""
+        if self._counts is not None:
+            return {self._batch_name: self._counts.send(x, self._batch)}
         if not self._told or x is None:
             return None
         if x.dim() != len(self.src.dims):
@@ -275,6 +340,12 @@ class BridgeCommunicator:
                               f"{self.tensor_ndim})")
         return {d: int(n) * self.src.shards(d) for d, n in zip(self.src.dims, x.shape)}
 
+    def _got_sizes(self) -> dict | None:
+        """What a receiving call gives: a fan-out with variable tokens, the counts."""
+        if self._counts is None:
+            return None
+        return {self._batch_name: self._counts.recv()}
+
     # -- lifetime -----------------------------------------------------------------------
     @property
     def bridge(self):
@@ -284,6 +355,8 @@ class BridgeCommunicator:
     def destroy(self) -> None:
         """Release this communicator's process groups (after its sends were received)."""
         self._bridge.destroy()
+        if self._counts is not None:
+            self._counts.destroy()
         _LIVE.discard(self)
 
     @classmethod
