@@ -153,7 +153,7 @@ class _Counts:
 
         self.fine, self.per = fine, fine // _size(src.grid, "dp")
         pinned = Layout(src.grid, "(dp c)" if "dp" in src.grid.names else "c",
-                        at=src.at or None)
+                        at=dict(src.at) or None)
         self.to_dst = Bridge(pinned, Layout(dst.grid, "c"), {"c": fine}, torch.int64,
                              frozen=True)
         self.to_src = Redistributor(pinned, Layout(src.grid, "c"), {"c": fine},
