@@ -36,8 +36,8 @@ receiver checks its own call against it (a row bridge's calls bring their batch:
 every rank's row goes to every rank, as checked, so a receiver that passed another
 batch raises on the senders too). Built with ``told=True`` the senders give
 every call's sizes and the receivers none (as a pipeline's first stage knows its shapes
-and the next does not, Megatron's shape exchange): each receiver learns them from one
-message of one sender, and no sender waits. Checked, a call posts every row it sends to
+and the next does not, Megatron's shape exchange): each sender posts its row straight to
+each receiver, which learns them in one hop, and no sender waits. Checked, a call posts every row it sends to
 every rank of both grids (size rows, or check headers) before it waits for anything;
 the receiving side waits for every row, the sending side only for its own grid's (a
 stage never waits for one that may be behind it) and checks the receivers' rows as they
@@ -94,8 +94,8 @@ class Bridge(Redistributor):
             raise MimoFxError(self._context() + "told=True is for box layouts (a row "
                               "bridge's receivers take the batch from their call)")
         # told: each forward's sizes are the senders' to give and the receivers' to
-        # learn, from one message of the first sender (a pipeline's first stage knows
-        # its shapes, the next does not); moot where no size is free
+        # learn, from every sender's row (a pipeline's first stage knows its shapes, the
+        # next does not); moot where no size is free
         self.told = told and bool(self.sizing.missing({})) and set(
             self.src.grid.ranks) != set(self.dst.grid.ranks)
         # (a told bridge between disjoint grids, unchecked, guesses each call's sizes)
