@@ -38,8 +38,8 @@ batch raises on the senders too). Built with ``told=True`` the senders give
 every call's sizes and the receivers none (as a pipeline's first stage knows its shapes
 and the next does not, Megatron's shape exchange): each sender posts its row straight to
 each receiver, which learns them in one hop, and no sender waits. Checked, a call posts
-every row it sends to every rank of both grids (size rows, or check headers) before it waits for anything;
-the receiving side waits for every row, the sending side only for its own grid's (a
+every row it sends to every rank of both grids (size rows, or check headers) before it
+waits for anything; the receiving side waits for every row, the sending side only for its own grid's (a
 stage never waits for one that may be behind it) and checks the receivers' rows as they
 arrive: a mistake still raises on every rank of both grids, on the senders at a later
 call of the bridge or at :meth:`Bridge.flush`.
