@@ -27,20 +27,20 @@ receives, ``send_backward_recv_forward`` sends the gradient then receives -- can
 deadlock, also across several bridges (interleaved schedules: issue a step's sends
 first, then its receives).
 
-Sizes: on a bridge with free dims each forward learns its sizes (the receivers too:
-this is the pipelined bridge's size gather, also point-to-point) or takes them from
-the call, and each backward runs at the sizes of the oldest forward whose backward has
-not run yet. Unchecked, only the senders' size rows travel: gathered at the first
-sender, which sends the table on to every other rank (two messages for most ranks); a
-receiver checks its own call against it (a row bridge's calls bring their batch: there
-every rank's row goes to every rank, as checked, so a receiver that passed another
-batch raises on the senders too). Built with ``told=True`` the senders give
-every call's sizes and the receivers none (as a pipeline's first stage knows its shapes
-and the next does not, Megatron's shape exchange): each sender posts its row straight to
-each receiver, which learns them in one hop, and no sender waits. Checked, a call posts
-every row it sends to every rank of both grids (size rows, or check headers) before it
-waits for anything; the receiving side waits for every row, the sending side only for its own grid's (a
-stage never waits for one that may be behind it) and checks the receivers' rows as they
+Sizes: on a bridge with free dims each forward learns its sizes (the receivers too: this
+is the pipelined bridge's size gather, also point-to-point) or takes them from the call,
+and each backward runs at the sizes of the oldest forward whose backward has not run
+yet. Unchecked, only the senders' size rows travel: gathered at the first sender, which
+sends the table on to every other rank (two messages for most ranks); a receiver checks
+its own call against it (a row bridge's calls bring their batch: there every rank's row
+goes to every rank, as checked, so a receiver that passed another batch raises on the
+senders too). Built with ``told=True`` the senders give every call's sizes and the
+receivers none (as a pipeline's first stage knows its shapes and the next does not,
+Megatron's shape exchange): each sender posts its row straight to each receiver, which
+learns them in one hop, and no sender waits. Checked, a call posts every row it sends to
+every rank of both grids (size rows, or check headers) before it waits for anything; the
+receiving side waits for every row, the sending side only for its own grid's (a stage
+never waits for one that may be behind it) and checks the receivers' rows as they
 arrive: a mistake still raises on every rank of both grids, on the senders at a later
 call of the bridge or at :meth:`Bridge.flush`.
 
