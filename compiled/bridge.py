@@ -38,16 +38,18 @@ senders too). Built with ``told=True`` the senders give every call's sizes and t
 receivers none (as a pipeline's first stage knows its shapes and the next does not,
 Megatron's shape exchange): each sender posts its row straight to each receiver, which
 learns them in one hop, and no sender waits. Checked, a call posts every row it sends to
-every rank of both grids (size rows, or check headers) before it waits for anything; the
+every rank taking part (size rows, or check headers) before it waits for anything; the
 receiving side waits for every row, the sending side only for its own grid's (a stage
 never waits for one that may be behind it) and checks the receivers' rows as they
 arrive: a mistake still raises on every rank of both grids, on the senders at a later
 call of the bridge or at :meth:`Bridge.flush`.
 
-Every call returns None on a rank of neither grid. The imperative calls run eagerly
-(compile the stages' compute; or call the bridge itself inside a compiled step, which
-uses ordinary collectives). Bridges must be built in the same order on every rank (as
-every bridge: building one creates process groups).
+Only the ranks holding a piece of either side take part in a call: elsewhere (a rank of
+neither grid, or a pinned layout's other pipeline stages) a call returns None at once,
+and such a rank may skip the calls, as Megatron's schedules do off the boundary stages.
+The imperative calls run eagerly (compile the stages' compute; or call the bridge itself
+inside a compiled step, which uses ordinary collectives). Bridges must be built in the
+same order on every rank (as every bridge: building one creates process groups).
 """
 
 from __future__ import annotations
@@ -109,6 +111,10 @@ class Bridge(Redistributor):
         self._failed = False
         self._recent: dict = {}  # the sizes recent calls' rows gave (see _learned)
         self._told_row: tuple = (None, None)
+        # the ranks a call involves: those holding a piece of either side (a pinned
+        # layout's other stages hold none: they may skip the calls, as in Megatron's
+        # pipeline schedules, where only the boundary stages call a bridge)
+        self.party = tuple(r for r in self.union if self.src.holds(r) or self.dst.holds(r))
         src, dst = tuple(self.src.grid.ranks), tuple(self.dst.grid.ranks)
         # one channel per direction, of this bridge alone (two bridges between the same
         # grids, as interleaved schedules have, never pair each other's messages)
@@ -145,7 +151,7 @@ class Bridge(Redistributor):
         (sizes come from the senders' shapes): it never waits for a stage that may be
         behind it, which is what keeps checked and learned calls deadlock-free in any
         schedule."""
-        union = self.union
+        union = self.party
         if not self._channels:
             assert self._check_comm is not None
             comm = self._check_comm
@@ -191,15 +197,15 @@ class Bridge(Redistributor):
                 self._told_row = (key, host_to(torch.tensor(row, dtype=torch.int64),
                                                self.device))
             self._channels[0].exchange(
-                [(p, self._told_row[1]) for p in self.union if p not in senders], [])
+                [(p, self._told_row[1]) for p in self.party if p not in senders], [])
         return not sending
 
     def _senders(self) -> tuple[int, ...]:
         """The ranks whose rows give the sizes, in the union's order: the sending grid's
         (a rank without a piece says so), a told bridge's src holders."""
         if self.told:
-            return tuple(r for r in self.union if self.src.holds(r))
-        return tuple(r for r in self.union if r in self.src.grid.ranks)
+            return tuple(r for r in self.party if self.src.holds(r))
+        return tuple(r for r in self.party if r in self.src.grid.ranks)
 
     def _rooted_rows(self, row: torch.Tensor, senders: tuple[int, ...]):
         """An unchecked call's size rows: only the senders' (sizes come from their
@@ -216,7 +222,7 @@ class Bridge(Redistributor):
                             else dict.fromkeys(senders, works[0]), senders)
             return (lambda: self._waited(told.wait, SIZES)), senders, None
         gathered = self._waited(
-            lambda: self._channels[0].start_rooted(row, senders, self.union), SIZES)
+            lambda: self._channels[0].start_rooted(row, senders, self.party), SIZES)
         if self.rank in senders:
             return (lambda: self._waited(gathered.wait, SIZES)), senders, None
 
@@ -318,11 +324,11 @@ class Bridge(Redistributor):
         if gather:
             known = full
             full = self._learned(rows(), known, now)
-            self._later(rest, lambda got: self._same_sizes(got, known, full))
+            self._later(rest, lambda got: self._same_sizes(got, known, full, self.party))
         programs = self._programs(full, frozenset(missing), x, batch)
         if self.checked and not gather:
             guard.verdict(rows(), "src", print_, full, now)
-            self._later(rest, lambda got: guard.verdict(got, "src", print_, full))
+            self._later(rest, lambda got: guard.verdict(got, "src", print_, full, self.party))
         else:
             guard.local(x, "src", programs.src_shape, full)
         if self.sizing.varies:
@@ -394,8 +400,9 @@ class Bridge(Redistributor):
     def _placeholder(self, layout) -> torch.Tensor:
         return placeholder(len(layout.local_dims), self.dtype, self.device)
 
-    def _same_sizes(self, rows: torch.Tensor, known: dict, learned: dict) -> None:
-        if self.sizing.sizes_from(rows, known) != learned:  # (its own errors name the rank)
+    def _same_sizes(self, rows: torch.Tensor, known: dict, learned: dict,
+                    ranks: tuple) -> None:
+        if self.sizing.sizes_from(rows, known, ranks) != learned:  # (its own errors name the rank)
             raise MimoFxError(self._context() + "the receivers' size rows disagree with the "
                               "sizes the senders learned")
 
@@ -418,7 +425,8 @@ class Bridge(Redistributor):
         if posted is not None:
             (rows, now, rest), print_ = posted
             self.guard.verdict(rows(), "dst", print_, full, now)
-            self._later(rest, lambda got: self.guard.verdict(got, "dst", print_, full))
+            self._later(rest, lambda got: self.guard.verdict(got, "dst", print_, full,
+                                                            self.party))
         else:
             self.guard.local(grad, "dst", programs.grad_shape, full)
         grad = self._placeholder(self.dst) if grad is None else grad.detach()
@@ -441,7 +449,13 @@ class Bridge(Redistributor):
             raise MimoFxError(self._context() + "the imperative send/recv calls run eagerly; "
                               "compile the stages' compute around them, or call the bridge "
                               "itself (bridge(x)) inside a compiled step")
-        if not self.involved:
+        if self.rank not in self.party:  # (off a pinned layout's stage: nothing to move)
+            for h in halves:
+                if h[1] is not None:
+                    raise MimoFxError(
+                        self._context() + f"rank {self.rank} holds no piece of either side "
+                        f"but passed a {h[0]} tensor of shape {tuple(h[1].shape)}; pass None "
+                        f"there (or skip the call: only the ranks holding pieces take part)")
             return [None] * len(halves)
         self._settle_checks()
         frozen = self._frozen_calls()

@@ -287,6 +287,22 @@ def _mistakes(rank: int) -> dict:
         except MimoFxError as err:
             out["told " + who] = str(err)
         bridge.destroy()
+    # a source pinned to its last stage: rank 0 (the other stage) takes no part, and a
+    # tensor passed there raises there; the others move the data without it
+    pinned = Layout(Grid(pp=2), "b h", at={"pp": -1})
+    bridge = Bridge(pinned, dst, {"b": B, "h": H}, torch.float64)
+    full = torch.arange(B * H, dtype=torch.float64).view(B, H)
+    try:
+        if rank < 2:
+            bridge.send_forward(full)
+            bridge.flush()
+            out["pinned"] = "no error"
+        elif rank < 4:
+            got = bridge.recv_forward()
+            out["pinned"] = "equal" if torch.equal(got, full.chunk(2)[rank - 2]) else "differs"
+    except MimoFxError as err:
+        out["pinned"] = str(err)
+    bridge.destroy()
     # a backward before any forward, and the imperative calls under torch.compile
     bridge = Bridge(Layout(Grid(dp=1), "b h"), Layout(Grid(dp=1, offset=1), "b h"),
                     dtype=torch.float64)
@@ -370,6 +386,15 @@ def test_imperative_call_mistakes_raise(world6):
         if rank < 2:
             assert f"rank {rank}: a backward with no forward waiting for it" in got["no forward"]
         assert "the imperative send/recv calls run eagerly" in got["compiled"], rank
+
+
+def test_a_pinned_layouts_other_stage_takes_no_part(world6):
+    """Rank 0 holds no piece of the pinned source: its call returns at once (the others
+    never wait for it), and one that passes a tensor raises there, saying so."""
+    got = [world6[rank]["mistakes"].get("pinned") for rank in range(6)]
+    assert "rank 0 holds no piece of either side but passed a forward tensor of shape " \
+           f"({B}, {H}); pass None there" in got[0], got[0]
+    assert got[1:] == ["no error", "equal", "equal", None, None], got
 
 
 def test_told_bridge_mistakes_raise(world6):

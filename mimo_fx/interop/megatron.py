@@ -22,8 +22,9 @@ dependency). How the pieces map:
    axes, cut as ``torch.tensor_split`` cuts it; with CP > 1 the sequence dim is cut over
    ``cp``, zigzag as Megatron's CP splits it (``zigzag=False``: in order).
 3. A pipelined grid with PP > 1 moves data at its boundary stage only (the source's last,
-   the destination's first): the layout is pinned there (``at={"pp": ...}``); the other
-   stages' ranks make the same calls, which move nothing and return None, as there.
+   the destination's first): the layout is pinned there (``at={"pp": ...}``). Only
+   those ranks take part in a call; the other stages' ranks may make the calls (they
+   return None at once, as there) or skip them, as Megatron's multi-module schedules do.
 
 Beyond Megatron, each a keyword whose default is Megatron's behaviour: CP > 1 on either
 side; ``variable_tokens=True`` (each DP replica its own token count, learned per call);
@@ -154,10 +155,11 @@ class _Counts:
         self.fine, self.per = fine, fine // _size(src.grid, "dp")
         pinned = Layout(src.grid, "(dp c)" if "dp" in src.grid.names else "c",
                         at=dict(src.at) or None)
-        self.to_dst = Bridge(pinned, Layout(dst.grid, "c"), {"c": fine}, torch.int64,
-                             frozen=True)
-        self.to_src = Redistributor(pinned, Layout(src.grid, "c"), {"c": fine},
-                                    torch.int64, frozen=True)
+        # (each pinned to its side's boundary stage: the other stages take no part)
+        self.to_dst = Bridge(pinned, Layout(dst.grid, "c", at=dict(dst.at) or None),
+                             {"c": fine}, torch.int64, frozen=True)
+        self.to_src = Redistributor(pinned, Layout(src.grid, "c", at=dict(src.at) or None),
+                                    {"c": fine}, torch.int64, frozen=True)
 
     def split(self, x: torch.Tensor | None, batch: int) -> torch.Tensor | None:
         """This boundary rank's counts for its replica (None off the boundary)."""
@@ -203,8 +205,9 @@ class BridgeCommunicator:
     ``h``; default ``[B, S, H]``), ``comm_dtype`` (the dtype moved and returned; default
     the default dtype, as there), ``src_module_name``, ``dest_module_name``,
     ``tensor_ndim`` (3, or 2 for ``[B*S, H]``). Every rank of the world builds it, as
-    there, and every rank of both grids makes the schedule's calls (off the boundary
-    stage they move nothing and return None).
+    there; the calls involve the boundary stages' ranks only (the source's last, the
+    destination's first): elsewhere they return None at once, and may be skipped, as
+    Megatron's multi-module schedules do.
 
     Beyond Megatron (keyword-only; defaults are Megatron's behaviour): ``zigzag`` (how a
     CP > 1 side cuts the sequence; Megatron's own communicator refuses CP > 1),
@@ -270,33 +273,43 @@ class BridgeCommunicator:
 
     def _here(self, layout: Layout, tensor):
         """``tensor`` where this rank holds a piece of ``layout``, else None: what it passes
-        and gets off the boundary stage, whose ranks make the calls as Megatron's do,
-        moving nothing."""
+        and gets off the boundary stage."""
         return tensor if layout.holds(self.current_rank) else None
+
+    def _off(self, grid, call: str, side: str) -> bool:
+        """Raise as Megatron does where this rank is not in ``grid``; whether it is off
+        the boundary stage, where a call moves nothing and returns None at once (its
+        ranks may make the calls, or skip them as Megatron's schedules do)."""
+        self._check(grid, call, side)
+        return self.current_rank not in self._bridge.party
 
     # -- the calls ----------------------------------------------------------------------
     def send_forward(self, tensor_to_send: torch.Tensor) -> None:
         """Send this rank's activation to the destination grid; returns once it is
         posted (the data in flight)."""
-        self._check(self.src_grid, "send_forward", "source")
+        if self._off(self.src_grid, "send_forward", "source"):
+            return None
         x = self._here(self.src, tensor_to_send)
         self._bridge.send_forward(x, self._sizes(x))
 
     def recv_forward(self) -> torch.Tensor | None:
         """This rank's activation from the source grid (None off the first stage)."""
-        self._check(self.dest_grid, "recv_forward", "destination")
+        if self._off(self.dest_grid, "recv_forward", "destination"):
+            return None
         return self._here(self.dst, self._bridge.recv_forward(sizes=self._got_sizes()))
 
     def send_backward(self, grad_tensor: torch.Tensor) -> None:
         """Send the gradient of this rank's activation back to the source grid."""
-        self._check(self.dest_grid, "send_backward", "destination")
+        if self._off(self.dest_grid, "send_backward", "destination"):
+            return None
         if not self.frozen:
             self._bridge.send_backward(self._here(self.dst, grad_tensor))
 
     def recv_backward(self) -> torch.Tensor | None:
         """The gradient of this rank's sent activation (None off the last stage, or for
         a frozen source)."""
-        self._check(self.src_grid, "recv_backward", "source")
+        if self._off(self.src_grid, "recv_backward", "source"):
+            return None
         if self.frozen:
             return None
         return self._here(self.src, self._bridge.recv_backward())
@@ -305,7 +318,8 @@ class BridgeCommunicator:
                                    grad_shape: tuple | None = None) -> torch.Tensor | None:
         """Send an activation, then receive the gradient of the oldest one sent (the
         source's 1F1B step). ``grad_shape`` is accepted and unused, as there."""
-        self._check(self.src_grid, "send_forward_recv_backward", "source")
+        if self._off(self.src_grid, "send_forward_recv_backward", "source"):
+            return None
         x = self._here(self.src, input_tensor)
         if self.frozen:
             self._bridge.send_forward(x, self._sizes(x))
@@ -317,7 +331,8 @@ class BridgeCommunicator:
                                    forward_shape: tuple | None = None) -> torch.Tensor | None:
         """Send a gradient back, then receive the next activation (the destination's
         1F1B step). ``forward_shape`` is accepted and unused, as there."""
-        self._check(self.dest_grid, "send_backward_recv_forward", "destination")
+        if self._off(self.dest_grid, "send_backward_recv_forward", "destination"):
+            return None
         if self.frozen:
             return self._here(self.dst, self._bridge.recv_forward(sizes=self._got_sizes()))
         y = self._bridge.send_backward_recv_forward(self._here(self.dst, grad_tensor),
