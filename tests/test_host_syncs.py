@@ -11,7 +11,9 @@ after two warm-up calls, in one 2-rank gloo world:
   back to the host in one copy; compiled, one more, the size row the graph made on the
   host (a CPU tensor: no device to wait for);
 - a packed call that learns its count: one read eagerly; compiled, the route op also
-  reads its batch (host tensors) -- still one read of data that crossed a collective.
+  reads its batch (host tensors) -- still one read of data that crossed a collective;
+- a pipelined bridge's imperative forward and backward (``Bridge`` fixed or told, the
+  Megatron drop-in): none on the source; a told receiver reads the senders' rows once.
 
 The same world drives both sides of the one capability a bridge asks of its backend
 (:func:`mimo_fx.compiled.comm.coalesces`): an all-gather as the backend's own
@@ -91,6 +93,51 @@ def _reads(rank: int) -> dict:
     return out
 
 
+def _imperative(rank: int) -> dict:
+    """A pipelined bridge's imperative calls (rank 0 the source, rank 1 the destination),
+    one forward and its backward per step: a plain ``Bridge`` at fixed sizes and told
+    its sizes, and the Megatron drop-in (told by default) on the same two ranks."""
+    from types import SimpleNamespace
+
+    from mimo_fx.compiled import Bridge
+    from mimo_fx.interop.megatron import BridgeCommunicator
+
+    src, dst = Layout(Grid(dp=1), "b h"), Layout(Grid(dp=1, offset=1), "b h")
+    x, g = torch.ones(4, H), torch.ones(4, H)
+
+    def step(bridge, sizes=None):
+        def run():
+            if rank == 0:
+                bridge.send_forward(x, sizes)
+                bridge.recv_backward()
+            else:
+                bridge.recv_forward()
+                bridge.send_backward(g)
+        return run
+    out = {}
+    fixed = Bridge(src, dst, {"b": 4, "h": H})
+    out["bridge fixed"] = _steady(step(fixed))
+    told = Bridge(src, dst, told=True)
+    out["bridge told"] = _steady(step(told, {"b": 4, "h": H} if rank == 0 else None))
+
+    def grid(offset):
+        return SimpleNamespace(shape=[1, 1, 1, 1], dim_names=["tp", "cp", "pp", "dp"],
+                               rank_offset=offset)
+    comm = BridgeCommunicator(grid(0), grid(1), comm_dtype=torch.float32)
+
+    def megatron():
+        if rank == 0:
+            comm.send_forward(torch.ones(2, 3, H))
+            comm.recv_backward()
+        else:
+            comm.recv_forward()
+            comm.send_backward(torch.ones(2, 3, H))
+    out["drop-in told"] = _steady(megatron)
+    for bridge in (fixed, told, comm):
+        bridge.destroy()
+    return out
+
+
 def _gathers(rank: int) -> dict:
     """An all-gather bridge, its backend asked to coalesce (its own all-gather) and not
     (grouped messages): its result, and how many grouped calls it posted."""
@@ -122,7 +169,8 @@ def _world(rank: int, world: int) -> dict:
     import mimo_fx.compiled
 
     try:
-        return {"reads": _reads(rank), "gathers": _gathers(rank)}
+        return {"reads": _reads(rank), "gathers": _gathers(rank),
+                "imperative": _imperative(rank)}
     finally:
         mimo_fx.compiled.destroy()
 
@@ -152,6 +200,18 @@ def test_a_call_that_learns_reads_its_gathered_rows_once(results, kind, how, mos
         # the one read of data that crossed a collective: the size gather's rows
         gathered = sum(n for line, n in lines.items() if line.startswith("compiled/learn.py"))
         assert gathered == 3, f"rank {rank}: {kind} {how}: {lines}"
+
+
+@pytest.mark.parametrize("kind, reads", [("bridge fixed", (0, 0)), ("bridge told", (0, 1)),
+                                         ("drop-in told", (0, 1))])
+def test_a_pipelined_step_reads_only_the_told_sizes_on_the_receiver(results, kind, reads):
+    """A told source reads nothing (it gives the sizes and posts its row without waiting);
+    its receiver reads the senders' rows once per forward; fixed sizes: nothing."""
+    for rank, r in enumerate(results):
+        per_call, lines = r["imperative"][kind]
+        assert per_call == reads[rank], f"rank {rank}: {kind}: {lines}"
+        if reads[rank]:
+            assert all(line.startswith("compiled/bridge.py") for line in lines), lines
 
 
 def test_an_all_gather_is_exact_whether_or_not_the_backend_coalesces(results):
