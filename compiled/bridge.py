@@ -65,7 +65,7 @@ from mimo_fx.errors import MimoFxError
 from .comm import Comm, host_to, note
 from .executor import CompiledExecutor, Numbers
 from .lease import Lease, keep_alive, release_later
-from .p2p import CHECKS, SIZES, Channel, Gathered, Routed
+from .p2p import CHECKS, SIZES, Channel, Routed
 from .redistributor import Redistributor, fold_call, placeholder
 from .sizing import flat_sizes
 from .timeouts import cause, wait_time
@@ -215,11 +215,7 @@ class Bridge(Redistributor):
         no sender waits for a receiver. A told bridge's receiver takes every sender's
         row straight from it. As in :func:`_gather_rows`."""
         if self.told:
-            table = row.new_empty((len(senders), row.numel()))
-            works = self._channels[0].exchange(
-                [], [(p, table[i]) for i, p in enumerate(senders)])
-            told = Gathered(table, dict(zip(senders, works)) if len(works) == len(senders)
-                            else dict.fromkeys(senders, works[0]), senders)
+            told = self._channels[0].start_receives(row, senders)
             return (lambda: self._waited(told.wait, SIZES)), senders, None
         gathered = self._waited(
             lambda: self._channels[0].start_rooted(row, senders, self.party), SIZES)

@@ -196,11 +196,16 @@ class Channel(Comm):
             others = [p for p in part if p != self.rank]
             got = self.exchange([(p, flat) for p in part],
                                 [(p, out[ranks.index(p)]) for p in part])
-            if len(got) == len(others):
-                works.update(zip(others, got))
-            else:  # (one work for the group's messages)
-                works.update({p: w for w in got for p in others})
+            works.update(_by_peer(got, others))
         return Gathered(out, works, ranks)
+
+    def start_receives(self, like: torch.Tensor, rows_of: Ranks) -> Gathered:
+        """Post the receive of one row shaped as ``like`` from each rank of ``rows_of``
+        (each posts its row to this rank with :meth:`exchange`); they arrive in the
+        background."""
+        out = like.new_empty((len(rows_of), like.numel()))
+        got = self.exchange([], [(p, out[i]) for i, p in enumerate(rows_of)])
+        return Gathered(out, _by_peer(got, [p for p in rows_of if p != self.rank]), rows_of)
 
 
     def start_rooted(self, flat: torch.Tensor, rows_of: Ranks, to: Ranks) -> Gathered:
@@ -224,6 +229,13 @@ class Channel(Comm):
         waited(got)
         self.exchange([(p, out) for p in to if p != root], [])
         return Gathered(out, {}, (root,))
+
+
+def _by_peer(works: list, peers: Sequence[int]) -> dict:
+    """Each peer's work of one grouped call: its receive's, or the group's one."""
+    if len(works) == len(peers):
+        return dict(zip(peers, works))
+    return {p: w for w in works for p in peers}
 
 
 class Gathered:
