@@ -105,6 +105,7 @@ class Bridge(Redistributor):
             set(self.src.grid.ranks) & set(self.dst.grid.ranks))
         self._seen: deque[dict] = deque(maxlen=2)  # the last calls' sizes (see _guess)
         self.guesses = [0, 0]  # forwards whose guessed sizes held, and failed
+        self.last_sizes: dict = dict(self.fixed)  # the sizes this rank's last forward moved
         # (sizes, batch) of the forwards awaiting their backward, when these vary by call
         self._in_flight: deque[tuple[dict, dict]] = deque()
         self._deferred: list = []  # (gather, check): rows checked when they arrive
@@ -327,6 +328,7 @@ class Bridge(Redistributor):
             self._later(rest, lambda got: guard.verdict(got, "src", print_, full, self.party))
         else:
             guard.local(x, "src", programs.src_shape, full)
+        self.last_sizes = full
         if self.sizing.varies:
             self._in_flight.append((full, batch))
         if self._speculates:

@@ -145,6 +145,7 @@ PIPELINED = {  # name: (src grid, dst grid, dim_mapping, tensor_ndim, dtype)
 
 
 ORDERS = ("plain", "1f1b")
+THD = ("bsh", "sbh in order", "bad length", "bad length in order")
 BOUNDARY = {  # the PP > 1 cases also run with only the boundary stages calling
     f"{n} boundary{' checked' if checked else ''}": (n, checked)
     for n in PIPELINED if n.startswith("pp") for checked in (False, True)}
@@ -335,6 +336,65 @@ def _beyond_cp(mods, rank: int, side: str) -> tuple[list, int]:
         comm.destroy()
     want = [None, piece(G, src_grid)] if _in(src_grid, rank) else [piece(X, dst_grid), None]
     return _compare(got, want, f"cp at {side}")
+
+
+def _beyond_thd(mods, rank: int, variant: str) -> tuple[list, int]:
+    """Pipelined DP4 -> CP2xDP2 with ``thd=True``, two micro-batches in 1F1B order: each
+    destination rank gets its replica's samples one after another, each sample's CP
+    chunks (c and 2cp-1-c, or c with ``zigzag=False``) by hand, as ``[T, H]``, with its
+    Packing's boundaries; it sends its gradient back in that format and each encoder rank
+    gets its rows of the full gradient. ``bad length``: a sequence of 6 tokens, which
+    CP2's zigzag cannot cut into 4 equal chunks, raises on every rank of both grids (the
+    zigzag layout refuses it); ``in order``, 7 tokens in 2 chunks."""
+    from mimo_fx.interop.megatron import BridgeCommunicator
+
+    src_grid, dst_grid = _grid(mods, dp=4), _grid(mods, cp=2, dp=2, offset=4)
+    zigzag = not variant.endswith("in order")
+    mapping = {"s": 0, "b": 1, "h": 2} if variant == "sbh in order" else None
+    bad = variant.startswith("bad")
+    length = (6 if zigzag else 7) if bad else S
+    bdim, sdim = (1, 0) if mapping else (0, 1)
+    shape = [length, B, H] if mapping else [B, length, H]
+    xs_full = [_full(shape, 60 + i) for i in range(2)]
+    gs_full = [_full(shape, 70 + i) for i in range(2)]
+
+    def thd(full):  # this destination rank's piece of ``full``, packed by hand
+        rows = _replica_piece(full, dst_grid, rank, bdim)
+        c = _coords(dst_grid, rank)["cp"]
+        samples = rows.unbind(bdim)  # each (s, h)
+        return torch.cat([_zigzag(x, 2, c, 0) if zigzag else x.chunk(2)[c]
+                          for x in samples])
+
+    on_src, on_dst = _in(src_grid, rank), _in(dst_grid, rank)
+    xs = [_replica_piece(x, src_grid, rank, bdim) if on_src else None for x in xs_full]
+    gs = [thd(g) if on_dst and not bad else None for g in gs_full]
+    comm = BridgeCommunicator(src_grid, dst_grid, mapping, torch.float32, thd=True,
+                              zigzag=zigzag)
+    try:
+        if bad:
+            words = ("s=6 is not divisible by 4; pad 's' to a multiple of 4" if zigzag else
+                     "sequence length 7, which the destination's cp=2 does not cut into 2 "
+                     "equal chunks; pad each sample's sequence to a multiple of 2")
+            try:
+                _pipelined_run(comm, rank, src_grid, dst_grid, xs, gs, "1f1b")
+            except MimoFxError as err:
+                return ([] if words in str(err) else [f"{variant}: {err}"]), 1
+            return [f"{variant}: no error"], 1
+        got = _pipelined_run(comm, rank, src_grid, dst_grid, xs, gs, "1f1b")
+        packing = comm.thd_packing()
+    finally:
+        comm.destroy()
+    if on_src:
+        want = [None, _replica_piece(gs_full[0], src_grid, rank, bdim),
+                _replica_piece(gs_full[1], src_grid, rank, bdim)]
+    else:
+        want = [thd(xs_full[0]), thd(xs_full[1]), None]
+    problems, count = _compare(got, want, f"thd {variant}")
+    if on_dst and packing.cu_seqlens.tolist() != [S * i for i in range(B // 2 + 1)]:
+        problems.append(f"thd {variant}: cu_seqlens {packing.cu_seqlens.tolist()}")
+    if on_dst and got[0] is not None and not (got[0].requires_grad and got[0].is_leaf):
+        problems.append(f"thd {variant}: the activation is not a leaf requiring grad")
+    return problems, count
 
 
 def _beyond_tokens(mods, rank: int) -> tuple[list, int]:
@@ -593,6 +653,7 @@ def _world(rank: int, size: int, root: str) -> dict:
         checks += [("beyond cp dst", _beyond_cp, ("dst",)), ("beyond cp src", _beyond_cp,
                                                              ("src",)),
                    ("beyond variable tokens", _beyond_tokens, ()),
+                   *[(f"beyond thd {v}", _beyond_thd, (v,)) for v in THD],
                    ("beyond variable tokens fan-out", _beyond_tokens_fan_out, ()),
                    ("beyond colocated cp", _beyond_colocated, ("cp",)),
                    ("beyond colocated tokens", _beyond_colocated, ("tokens",)),
@@ -632,7 +693,7 @@ CHECKS = ([f"pipelined {n} {o}" for n in PIPELINED for o in ORDERS]
           + [f"colocated {n}" for n in COLOCATED]
           + [f"colocated compiled {b}" for b in ("aot_eager", "inductor")]
           + ["beyond cp dst", "beyond cp src", "beyond variable tokens",
-             "beyond variable tokens fan-out",
+             "beyond variable tokens fan-out", *[f"beyond thd {v}" for v in THD],
              "beyond colocated cp", "beyond colocated tokens", "beyond frozen",
              "beyond async", "beyond wires pipelined", "beyond wires colocated", "misuse",
              "example", "example megatron", "example dest cp",
@@ -675,6 +736,16 @@ def test_bad_arguments_say_how(grid, kwargs, words):
     with pytest.raises(MimoFxError, match=words.replace("[", r"\[").replace("]", r"\]")
                        .replace(".", r"\.")):
         megatron_layout(grid, **kwargs)
+
+
+@pytest.mark.parametrize("thd, ndim", [(True, 2), ("yes", 3)])
+def test_a_thd_destination_needs_3d_samples(thd, ndim):
+    from mimo_fx.interop.megatron import BridgeCommunicator
+
+    with pytest.raises(MimoFxError, match=f"thd={thd!r} with tensor_ndim={ndim}: a THD "
+                                          f"destination packs the samples of a 3-D"):
+        BridgeCommunicator(_Grid([1, 2], ["tp", "dp"]), _Grid([1, 2], ["tp", "dp"], 2),
+                           tensor_ndim=ndim, thd=thd)
 
 
 def test_layouts_are_megatrons():

@@ -29,14 +29,17 @@ dependency). How the pieces map:
 Beyond Megatron, each a keyword whose default is Megatron's behaviour: CP > 1 on either
 side; ``variable_tokens=True`` (each DP replica its own token count, learned per call);
 ``frozen=True`` (no backward transfer on any rank, agreed when built); ``sizes=`` (fixed
-sizes: no shape exchange per call). Sends are asynchronous already: ``send_forward``
-returns once its messages are posted. See ``docs/megatron.md``.
+sizes: no shape exchange per call); ``thd=True`` (the destination gets its samples packed,
+``[T, H]``, each a sequence cut over CP as Megatron's THD format cuts it). Sends are
+asynchronous already: ``send_forward`` returns once its messages are posted. See
+``docs/megatron.md``.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -214,9 +217,14 @@ class BridgeCommunicator:
     ``variable_tokens`` (each DP replica its own count on the batch dim, learned per
     call), ``frozen`` (the source needs no gradient: no backward transfer; the backward
     calls return None), ``sizes`` (fixed ``{"b": .., "s": .., "h": ..}``, or ``t``/``h``
-    in 2-D: no per-call shape exchange), ``checked`` (every call's shapes checked on
-    every rank first), ``wire_dtypes`` (``(forward, backward)``: the dtypes activations
-    and gradients travel in, None for ``comm_dtype``; results keep ``comm_dtype``).
+    in 2-D: no per-call shape exchange), ``thd`` (see :meth:`thd_packing`: the destination
+    gets ``[T, H]``, its replica's samples one after another, each one sequence of the
+    packed THD format, cut over the destination's CP per sequence, zigzag unless
+    ``zigzag=False``; 3-D tensors whose sequence length CP cuts evenly, as Megatron's THD
+    split needs; the gradient sent back in the same format), ``checked`` (every call's
+    shapes checked on every rank first), ``wire_dtypes`` (``(forward, backward)``: the
+    dtypes activations and gradients travel in, None for ``comm_dtype``; results keep
+    ``comm_dtype``).
     """
 
     def __init__(self, src_grid, dest_grid, dim_mapping: dict | None = None,
@@ -224,11 +232,15 @@ class BridgeCommunicator:
                  dest_module_name: str | None = None, tensor_ndim: int = 3, *,
                  zigzag: bool = True, variable_tokens: bool = False, frozen: bool = False,
                  sizes: dict | None = None, checked: bool = False,
-                 wire_dtypes: tuple | None = None) -> None:
+                 wire_dtypes: tuple | None = None, thd: bool = False) -> None:
         from mimo_fx.compiled import Bridge
 
         if tensor_ndim not in (2, 3):
             raise MimoFxError(f"tensor_ndim must be 2 or 3, got {tensor_ndim!r}")
+        if not isinstance(thd, bool) or (thd and tensor_ndim != 3):
+            raise MimoFxError(f"thd={thd!r} with tensor_ndim={tensor_ndim}: a THD "
+                              f"destination packs the samples of a 3-D [B, S, H] (or [S, B, "
+                              f"H]) tensor; pass thd=True with tensor_ndim=3, or thd=False")
         self.src_grid, self.dest_grid = src_grid, dest_grid
         self.src_module_name, self.dest_module_name = src_module_name, dest_module_name
         self.comm_dtype, self.tensor_ndim = comm_dtype, tensor_ndim
@@ -256,7 +268,11 @@ class BridgeCommunicator:
         self._told = sizes is None and not variable_tokens
         self._bridge = Bridge(self.src, self.dst, sizes, dtype, frozen=frozen,
                               checked=checked, told=self._told, **_wires(wire_dtypes, dtype))
-        self.frozen = frozen
+        self.frozen, self.thd, self._zigzag = frozen, thd, zigzag
+        # a THD destination: the box shapes of the received activations whose gradient
+        # has not gone back yet (the backward calls take THD gradients)
+        self._thd_shapes: deque[torch.Size] = deque()
+        self._packing: tuple[int, int, int] | None = None  # (samples, length, cp)
         _LIVE.add(self)
 
     # -- Megatron's queries -------------------------------------------------------------
@@ -291,19 +307,20 @@ class BridgeCommunicator:
             return None
         x = self._here(self.src, tensor_to_send)
         self._bridge.send_forward(x, self._sizes(x))
+        self._thd_length(x)
 
     def recv_forward(self) -> torch.Tensor | None:
         """This rank's activation from the source grid (None off the first stage)."""
         if self._off(self.dest_grid, "recv_forward", "destination"):
             return None
-        return self._here(self.dst, self._bridge.recv_forward(sizes=self._got_sizes()))
+        return self._packed(self._bridge.recv_forward(sizes=self._got_sizes()))
 
     def send_backward(self, grad_tensor: torch.Tensor) -> None:
         """Send the gradient of this rank's activation back to the source grid."""
         if self._off(self.dest_grid, "send_backward", "destination"):
             return None
         if not self.frozen:
-            self._bridge.send_backward(self._here(self.dst, grad_tensor))
+            self._bridge.send_backward(self._unpacked(grad_tensor))
 
     def recv_backward(self) -> torch.Tensor | None:
         """The gradient of this rank's sent activation (None off the last stage, or for
@@ -321,9 +338,10 @@ class BridgeCommunicator:
         if self._off(self.src_grid, "send_forward_recv_backward", "source"):
             return None
         x = self._here(self.src, input_tensor)
-        if self.frozen:
+        if self.frozen or self.thd:  # (THD: the length checked before a backward waits)
             self._bridge.send_forward(x, self._sizes(x))
-            return None
+            self._thd_length(x)
+            return None if self.frozen else self._here(self.src, self._bridge.recv_backward())
         return self._here(self.src, self._bridge.send_forward_recv_backward(
             x, sizes=self._sizes(x)))
 
@@ -334,10 +352,10 @@ class BridgeCommunicator:
         if self._off(self.dest_grid, "send_backward_recv_forward", "destination"):
             return None
         if self.frozen:
-            return self._here(self.dst, self._bridge.recv_forward(sizes=self._got_sizes()))
-        y = self._bridge.send_backward_recv_forward(self._here(self.dst, grad_tensor),
+            return self._packed(self._bridge.recv_forward(sizes=self._got_sizes()))
+        y = self._bridge.send_backward_recv_forward(self._unpacked(grad_tensor),
                                                     sizes=self._got_sizes())
-        return self._here(self.dst, y)
+        return self._packed(y)
 
     def _sizes(self, x: torch.Tensor | None) -> dict | None:
         """A told call's sizes, from this boundary rank's piece (each dim's local size
@@ -354,6 +372,72 @@ class BridgeCommunicator:
                               f"pass this rank's activation (tensor_ndim="
                               f"{self.tensor_ndim})")
         return {d: int(n) * self.src.shards(d) for d, n in zip(self.src.dims, x.shape)}
+
+    # -- a THD destination -------------------------------------------------------------
+    def _packed(self, y: torch.Tensor | None) -> torch.Tensor | None:
+        """The received box piece ``y`` (this rank's replica's samples, each one's CP
+        chunks), as THD where built so: its samples one after another, a leaf of its own
+        (Megatron's schedule reads its ``.grad``)."""
+        if y is None or not self.thd:
+            return y
+        m = self.dim_mapping
+        b, s = y.shape[m["b"]], y.shape[m["s"]]
+        self._thd_length(y)
+        if not self.frozen:
+            self._thd_shapes.append(y.shape)
+        cp = self.dst.shards("s")
+        self._packing = (b, s * cp, cp)
+        packed = y.detach().permute(m["b"], m["s"], m["h"]).reshape(b * s, -1)
+        return packed.requires_grad_(y.requires_grad)
+
+    def _thd_length(self, piece: torch.Tensor | None) -> None:
+        """Raise, on both sides once the data moved (so no rank waits for another), where
+        THD's per-sequence CP cut differs from the box's: a sequence length the
+        destination's CP does not cut into equal chunks (THD pads each sequence to them,
+        as Megatron's THD split needs its lengths padded)."""
+        if not self.thd or piece is None:
+            return
+        cp = self.dst.shards("s")
+        chunks = 2 * cp if self._zigzag and cp > 1 else cp
+        length = self._bridge.last_sizes["s"]  # (the call's: a CP cut may be uneven)
+        if length % chunks:
+            raise MimoFxError(
+                f"[Bridge Communicator] rank {self.current_rank}: thd=True with sequence "
+                f"length {length}, which the destination's cp={cp} does not cut into "
+                f"{chunks} equal chunks; pad each sample's sequence to a multiple of "
+                f"{chunks} (Megatron's THD context-parallel split needs the same)")
+
+    def _unpacked(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """A THD gradient back in the box shape of the oldest activation still waiting
+        for it."""
+        if grad is None or not self.thd:
+            return grad
+        if not self._thd_shapes:
+            raise MimoFxError(f"[Bridge Communicator] rank {self.current_rank}: a THD "
+                              f"gradient with no received activation waiting for it; every "
+                              f"send_backward follows its recv_forward")
+        shape = self._thd_shapes.popleft()
+        m = self.dim_mapping
+        order = (m["b"], m["s"], m["h"])
+        box = [shape[d] for d in order]
+        if tuple(grad.shape) != (box[0] * box[1], box[2]):
+            raise MimoFxError(
+                f"[Bridge Communicator] rank {self.current_rank}: a THD gradient of shape "
+                f"{tuple(grad.shape)}, but its activation was ({box[0] * box[1]}, {box[2]}) "
+                f"({box[0]} samples of {box[1]} local tokens); pass the gradient of what "
+                f"recv_forward returned")
+        return grad.reshape(box).permute(*[order.index(d) for d in range(3)])
+
+    def thd_packing(self):
+        """The :class:`mimo_fx.packed.Packing` of the last activation this destination rank
+        received with ``thd=True`` (None before): its sequences' boundaries
+        (``cu_seqlens``, ``local_cu_seqlens``), positions for RoPE, and so on."""
+        from mimo_fx.packed import Packing
+
+        if self._packing is None:
+            return None
+        b, s, cp = self._packing
+        return Packing([s] * b, cp, self._zigzag)
 
     def _got_sizes(self) -> dict | None:
         """What a receiving call gives: a fan-out with variable tokens, the counts."""
