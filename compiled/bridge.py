@@ -44,9 +44,10 @@ never waits for one that may be behind it) and checks the receivers' rows as the
 arrive: a mistake still raises on every rank of both grids, on the senders at a later
 call of the bridge or at :meth:`Bridge.flush`.
 
-Only the ranks holding a piece of either side take part in a call: elsewhere (a rank of
-neither grid, or a pinned layout's other pipeline stages) a call returns None at once,
-and such a rank may skip the calls, as Megatron's schedules do off the boundary stages.
+Between two grids only the ranks holding a piece of either side take part in a call:
+elsewhere (a rank of neither grid, or a pinned layout's other pipeline stages) a call
+returns None at once, and such a rank may skip the calls, as Megatron's schedules do off
+the boundary stages.
 The imperative calls run eagerly (compile the stages' compute; or call the bridge itself
 inside a compiled step, which uses ordinary collectives). Bridges must be built in the
 same order on every rank (as every bridge: building one creates process groups).
@@ -112,15 +113,17 @@ class Bridge(Redistributor):
         self._failed = False
         self._recent: dict = {}  # the sizes recent calls' rows gave (see _learned)
         self._told_row: tuple = (None, None)
-        # the ranks a call involves: those holding a piece of either side (a pinned
-        # layout's other stages hold none: they may skip the calls, as in Megatron's
-        # pipeline schedules, where only the boundary stages call a bridge)
-        self.party = tuple(r for r in self.union if self.src.holds(r) or self.dst.holds(r))
         src, dst = tuple(self.src.grid.ranks), tuple(self.dst.grid.ranks)
         # one channel per direction, of this bridge alone (two bridges between the same
         # grids, as interleaved schedules have, never pair each other's messages)
         self._tags = ((f"{self.name} p2p>", f"{self.name} p2p<")
                       if set(src) != set(dst) else ())
+        # the ranks a call involves: between two grids, those holding a piece of either
+        # side (a pinned layout's other stages hold none: they may skip the calls, as in
+        # Megatron's pipeline schedules, where only the boundary stages call a bridge);
+        # on one grid every rank (its checks are collectives of the whole grid)
+        self.party = (tuple(r for r in self.union if self.src.holds(r) or self.dst.holds(r))
+                      if self._tags else self.union)
         self._channel_lease = Lease(self.lease.what + " (its channels)", (),
                                     [(tag, self.union) for tag in self._tags], self.device)
         self._channels: tuple[Channel, ...] = ()
@@ -152,25 +155,25 @@ class Bridge(Redistributor):
         (sizes come from the senders' shapes): it never waits for a stage that may be
         behind it, which is what keeps checked and learned calls deadlock-free in any
         schedule."""
-        union = self.party
+        party = self.party
         if not self._channels:
             assert self._check_comm is not None
             comm = self._check_comm
-            return (lambda: self._waited(lambda: comm.all_gather(row, union), kind)
-                    .view(len(union), -1)), union, None
+            return (lambda: self._waited(lambda: comm.all_gather(row, party), kind)
+                    .view(len(party), -1)), party, None
         receivers = (self.dst if direction == 0 else self.src).grid.ranks
         senders = (self.src if direction == 0 else self.dst).grid.ranks
         if kind == SIZES and not self.checked and not self._batched:
             return self._rooted_rows(row, self._senders())
-        now = union if self.rank in receivers else tuple(r for r in union if r in senders)
+        now = party if self.rank in receivers else tuple(r for r in party if r in senders)
         # (the rows it waits for in a grouped call of their own: on NCCL a group's
         # messages complete together, and the others' senders may be behind)
-        gathered = self._channels[direction].start_gather(row, union, first=now)
-        index = [union.index(r) for r in now]
+        gathered = self._channels[direction].start_gather(row, party, first=now)
+        index = [party.index(r) for r in now]
 
         def rows() -> torch.Tensor:
             return self._waited(lambda: gathered.wait(now), kind)[index]
-        return rows, now, (gathered if now != union else None)
+        return rows, now, (gathered if now != party else None)
 
     def _told_call(self, missing: tuple, x, full: dict, batch: dict) -> bool:
         """A told bridge's forward: whether this rank gathers size rows (a receiver;

@@ -287,11 +287,6 @@ class BridgeCommunicator:
                               f"in the {side} grid ({grid_of(grid)!r}); {call} runs on the "
                               f"{side} grid's ranks")
 
-    def _here(self, layout: Layout, tensor):
-        """``tensor`` where this rank holds a piece of ``layout``, else None: what it passes
-        and gets off the boundary stage."""
-        return tensor if layout.holds(self.current_rank) else None
-
     def _off(self, grid, call: str, side: str) -> bool:
         """Raise as Megatron does where this rank is not in ``grid``; whether it is off
         the boundary stage, where a call moves nothing and returns None at once (its
@@ -305,9 +300,8 @@ class BridgeCommunicator:
         posted (the data in flight)."""
         if self._off(self.src_grid, "send_forward", "source"):
             return None
-        x = self._here(self.src, tensor_to_send)
-        self._bridge.send_forward(x, self._sizes(x))
-        self._thd_length(x)
+        self._bridge.send_forward(tensor_to_send, self._sizes(tensor_to_send))
+        self._thd_length(tensor_to_send)
 
     def recv_forward(self) -> torch.Tensor | None:
         """This rank's activation from the source grid (None off the first stage)."""
@@ -329,7 +323,7 @@ class BridgeCommunicator:
             return None
         if self.frozen:
             return None
-        return self._here(self.src, self._bridge.recv_backward())
+        return self._bridge.recv_backward()
 
     def send_forward_recv_backward(self, input_tensor: torch.Tensor,
                                    grad_shape: tuple | None = None) -> torch.Tensor | None:
@@ -337,13 +331,12 @@ class BridgeCommunicator:
         source's 1F1B step). ``grad_shape`` is accepted and unused, as there."""
         if self._off(self.src_grid, "send_forward_recv_backward", "source"):
             return None
-        x = self._here(self.src, input_tensor)
+        x = input_tensor
         if self.frozen or self.thd:  # (THD: the length checked before a backward waits)
             self._bridge.send_forward(x, self._sizes(x))
             self._thd_length(x)
-            return None if self.frozen else self._here(self.src, self._bridge.recv_backward())
-        return self._here(self.src, self._bridge.send_forward_recv_backward(
-            x, sizes=self._sizes(x)))
+            return None if self.frozen else self._bridge.recv_backward()
+        return self._bridge.send_forward_recv_backward(x, sizes=self._sizes(x))
 
     def send_backward_recv_forward(self, grad_tensor: torch.Tensor,
                                    forward_shape: tuple | None = None) -> torch.Tensor | None:
