@@ -144,6 +144,7 @@ class Redistributor:
         # agreed on, the sizes) -- the same call again learns nothing and checks nothing new
         self._given_last: tuple | None = None
         # nothing to move either way: a call returns its input (a view of it)
+        self._still_last: tuple | None = None  # (see _still)
         self._identity = (not self.sizing.varies and self.sizing.fwd_program.identity
                           and self.sizing.bwd_program.identity)
 
@@ -340,7 +341,8 @@ class Redistributor:
         if not self.guard(x, "src", shape, full, print_, grad, digest):
             # (compiled, checked: the check raises on every rank when the graph runs)
             return self._no_src.new_zeros((0,) * len(self.dst.local_dims))
-        if self._identity and x is not None:
+        if x is not None and (self._identity or (
+                env is None and not index and self._still(fwd, bwd))):
             return x.view_as(x)  # (a view: its grad passes through)
         if x is None:
             x = self._no_src if grad else self._no_src_plain
@@ -364,6 +366,16 @@ class Redistributor:
             x = x.view(x.shape)
         (y,) = apply(self.executor, fwd, bwd, (x,), env, self.sizing.variables, index)
         return self._keep(self.sizing.finish(y))
+
+    def _still(self, fwd, bwd) -> bool:
+        """Whether an eager call of free sizes moves nothing either way at these sizes
+        (its programs' answer kept beside them: a step repeats its sizes)."""
+        if not self.sizing.varies or torch.compiler.is_compiling():
+            return False
+        last = self._still_last
+        if last is None or last[0] is not fwd or last[1] is not bwd:
+            last = self._still_last = (fwd, bwd, fwd.identity and bwd.identity)
+        return last[2]
 
     # -- whether a call's backward runs: a frozen source ---------------------------------
     def _backward_runs(self, x) -> bool:

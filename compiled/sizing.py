@@ -58,6 +58,18 @@ class Programs(NamedTuple):
     digest: Any = 0
 
 
+def _plain(sizes, dim_sizes: dict) -> tuple | None:
+    """A call's given sizes as a hashable key, where every value is a plain int (or a
+    tuple of them); None otherwise (tensors, SymInts, lists: checked afresh)."""
+    items = [*(sizes.items() if isinstance(sizes, dict) else ()), *dim_sizes.items()]
+    if sizes is not None and not isinstance(sizes, dict):
+        return None
+    for _, n in items:
+        if type(n) is not int and not (type(n) is tuple and all(type(c) is int for c in n)):
+            return None
+    return tuple(items), sizes is None
+
+
 class CallSizes:
     """The one interface a bridge asks about its sizes and programs, whatever its
     layouts: :class:`Sizing` for boxes, :class:`~.rows.RowSizing` where a side is a row
@@ -142,9 +154,21 @@ class CallSizes:
         """Drop what it cached (the bridge is destroyed)."""
 
     def given(self, sizes, dim_sizes: dict) -> dict:
-        """The sizes a call gives, checked against the fixed ones."""
+        """The sizes a call gives, checked against the fixed ones (an eager call giving
+        the same plain ints as the last one reuses its answer: a bridge called every
+        micro-batch checks its sizes once)."""
         if sizes is None and not dim_sizes:
             return {}
+        key = None if torch.compiler.is_compiling() else _plain(sizes, dim_sizes)
+        last = self.__dict__.get("_given_memo")
+        if key is not None and last is not None and last[0] == key:
+            return dict(last[1])
+        given = self._given(sizes, dim_sizes)
+        if key is not None:
+            self._given_memo = (key, dict(given))
+        return given
+
+    def _given(self, sizes, dim_sizes: dict) -> dict:
         given = size_arguments(self.src, self.dst, sizes, dim_sizes, "bridge call",
                                CALL_OPTIONS)
         for d, n in given.items():

@@ -303,6 +303,23 @@ def _mistakes(rank: int) -> dict:
     except MimoFxError as err:
         out["pinned"] = str(err)
     bridge.destroy()
+    # one grid, both layouts pinned to its last stage, sizes learned: the size rows are
+    # a gather of the whole grid, so every rank of it calls (the other stage's with None)
+    stages = Grid(pp=2, dp=2)
+    bridge = Bridge(Layout(stages, "(dp b) h", at={"pp": -1}),
+                    Layout(stages, "b h", at={"pp": -1}), None, torch.float64)
+    last = rank in stages.ranks and stages.coord(rank)["pp"] == 1
+    piece = full.chunk(2)[stages.coord(rank)["dp"]] if last else None
+    try:
+        for _ in range(2):  # (the second call's sizes as the first's)
+            got = bridge.send_forward(piece)
+        out["one grid pinned"] = (
+            "not in the grid" if rank not in stages.ranks
+            else ("equal" if torch.equal(got, full) else f"differs: {got}") if last
+            else f"holds none: {None if got is None else tuple(got.shape)}")
+    except MimoFxError as err:
+        out["one grid pinned"] = str(err)
+    bridge.destroy()
     # a backward before any forward, and the imperative calls under torch.compile
     bridge = Bridge(Layout(Grid(dp=1), "b h"), Layout(Grid(dp=1, offset=1), "b h"),
                     dtype=torch.float64)
@@ -395,6 +412,15 @@ def test_a_pinned_layouts_other_stage_takes_no_part(world6):
     assert "rank 0 holds no piece of either side but passed a forward tensor of shape " \
            f"({B}, {H}); pass None there" in got[0], got[0]
     assert got[1:] == ["no error", "equal", "equal", None, None], got
+
+
+def test_a_one_grid_bridge_with_pinned_layouts_runs_on_the_whole_grid(world6):
+    """Both layouts on the last stage of one grid, sizes learned: the other stage's ranks
+    call with None and get nothing; the last stage's each get the whole tensor."""
+    got = [world6[rank]["mistakes"].get("one grid pinned") for rank in range(6)]
+    stages = Grid(pp=2, dp=2)
+    want = ["equal" if stages.coord(r)["pp"] == 1 else "holds none: (0, 0)" for r in range(4)]
+    assert got == want + ["not in the grid"] * 2, got
 
 
 def test_told_bridge_mistakes_raise(world6):

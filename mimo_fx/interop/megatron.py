@@ -523,6 +523,7 @@ class ColocatedBridgeCommunicator:
         self._ragged = variable_tokens
         self._dtype = dtype
         self._red: dict = {}  # dtype -> Redistributor (built on first use of a dtype)
+        self._last: tuple | None = None  # ((shape, dtype), its bridge, its sizes)
         self._checked, self._frozen = checked, frozen
         _wires(wire_dtypes, torch.float32)  # (checked now; applied per dtype)
         self._wire_dtypes = wire_dtypes
@@ -581,14 +582,19 @@ class ColocatedBridgeCommunicator:
         destination's; differentiable (its gradient runs the reverse move)."""
         if not isinstance(tensor, torch.Tensor):
             raise MimoFxError(f"communicate needs this rank's tensor, got {tensor!r}")
-        if self.direction == "fan_out" and not self._ragged and tensor.dim() > max(
-                self.dim_mapping.values()):
-            self.get_slice_info(int(tensor.shape[self.dim_mapping["b"]]))
-        red = self._bridge_for(self._dtype or tensor.dtype)
-        return red(tensor, **self._sizes(tensor))
+        key = (tensor.shape, tensor.dtype)  # (a step's calls repeat one shape)
+        last = self._last
+        if last is None or last[0] != key:
+            if self.direction == "fan_out" and not self._ragged and tensor.dim() > max(
+                    self.dim_mapping.values()):
+                self.get_slice_info(int(tensor.shape[self.dim_mapping["b"]]))
+            last = self._last = (key, self._bridge_for(self._dtype or tensor.dtype),
+                                 self._sizes(tensor))
+        return last[1](tensor, last[2])
 
     def destroy(self) -> None:
         """Release this communicator's process groups."""
         for red in self._red.values():
             red.destroy()
         self._red.clear()
+        self._last = None
