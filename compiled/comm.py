@@ -40,6 +40,7 @@ import torch
 from mimo_fx.plan import Collective
 
 from . import inductor_order, timeouts
+from .ops import define, register_ordered
 
 __all__ = ["Comm", "CommOp", "FunctionalComm", "OPS", "host_to", "ordered", "register_ordered"]
 
@@ -107,19 +108,6 @@ _c10d = torch.ops._c10d_functional
 _c10d_py: Any = torch._C._distributed_c10d  # type: ignore[attr-defined]
 # the kinds whose op may return with its messages in flight (waited by wait_tensor)
 POSTED = frozenset({Collective.ALL_TO_ALL, Collective.ALL_GATHER})
-# a fragment: this module may be executed twice (e.g. imported under a second name by a
-# doctest run); the ops are then defined once and reused
-_LIB = torch.library.Library("mimo_fx", "FRAGMENT")
-
-
-def _defined(name: str) -> bool:
-    try:
-        getattr(torch.ops.mimo_fx, name)
-    except AttributeError:
-        return False
-    return True
-
-
 @dataclass(frozen=True)
 class CommOp:
     """One kind of collective: its ordered custom op ``mimo_fx::<kind>`` (``op``, run on
@@ -158,26 +146,23 @@ def _comm_op(kind: Collective, params: str, run, fake, args, compute,
     defined once (``run`` on real tensors, every device, a failed wait -- a timeout, a
     peer gone -- raised as the :class:`MimoFxError` :mod:`.timeouts` words for the call
     ``site`` names; ``fake`` for tracing)."""
-    name = kind.value
-    if not _defined(name):
-        def guarded(*args):
-            *rest, site = args
-            try:
-                with timeouts.waiting(lambda: timeouts.described(site, kind)):
-                    out = run(*rest, site=site)
-            except RuntimeError as err:
-                raise _failed(site, kind, err) from None
-            if isinstance(out, tuple):  # posted messages: waited by wait_tensor
-                return _in_flight(*out, site, kind)
-            if rules():  # a process group's own collective, run and waited
-                note("wait", note("coll", rest[-1], kind.value, rest[0].numel()))
-            timeouts.ran(site)
-            return out
+    def guarded(*args):
+        *rest, site = args
+        try:
+            with timeouts.waiting(lambda: timeouts.described(site, kind)):
+                out = run(*rest, site=site)
+        except RuntimeError as err:
+            raise _failed(site, kind, err) from None
+        if isinstance(out, tuple):  # posted messages: waited by wait_tensor
+            return _in_flight(*out, site, kind)
+        if rules():  # a process group's own collective, run and waited
+            note("wait", note("coll", rest[-1], kind.value, rest[0].numel()))
+        timeouts.ran(site)
+        return out
 
-        _LIB.define(f"{name}({params}, str site) -> Tensor")
-        _LIB.impl(name, guarded, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"mimo_fx::{name}", lambda *a: fake(*a[:-1]), lib=_LIB)
-    return CommOp(kind, getattr(torch.ops.mimo_fx, name).default, args, fake, compute, recorded)
+    op = define(f"{kind.value}({params}, str site) -> Tensor", guarded,
+                lambda *a: fake(*a[:-1]))
+    return CommOp(kind, op, args, fake, compute, recorded)
 
 
 def _gathered(flats, out_splits, in_splits) -> list[torch.Tensor]:
@@ -577,22 +562,6 @@ OPS: dict[Collective, CommOp] = {op.kind: op for op in (
             flat, list(out_splits), list(in_splits), group),
         _exchanged, ("alltoall_base",)),
 )}
-
-
-def register_ordered(op) -> bool:
-    """Give ``op`` an ORDERED effect; False where this torch cannot (then it is a plain
-    custom op: correct eagerly, but a compiler may move it)."""
-    try:
-        from torch._library.effects import EffectType
-        register: Any = torch.library._register_effectful_op
-    except (ImportError, AttributeError):
-        try:  # torch < 2.9
-            from torch._higher_order_ops.effects import _EffectType as EffectType
-            from torch._higher_order_ops.effects import _register_effectful_op as register
-        except ImportError:
-            return False
-    register(op, EffectType.ORDERED)
-    return True
 
 
 def _register_ordered() -> bool:

@@ -35,6 +35,7 @@ from mimo_fx.errors import MimoFxError
 from mimo_fx.local import int_tensor
 
 from .live import named
+from .ops import define
 
 __all__ = ["Expect", "inspect", "problem_text", "Header", "fingerprint", "MAGIC", "OK",
            "HEADER_LEN", "dtype_code", "calls_differ", "Guard", "TracedError",
@@ -367,18 +368,9 @@ def _check_call(header, expected, guard: str, full: dict | None = None) -> None:
     _guard(guard).checked_call([int(v) for v in header], [int(v) for v in expected], full)
 
 
-try:
-    _CHECK_CALL = torch.ops.mimo_fx.check_call.default
-except AttributeError:  # (this module may be executed twice, e.g. by a doctest run)
-    _LIB_CALL = torch.library.Library("mimo_fx", "FRAGMENT")
-    _LIB_CALL.define("check_call(SymInt[] header, SymInt[] expected, str guard) -> ()")
-    _LIB_CALL.impl("check_call", _check_call, "CompositeExplicitAutograd")
-    torch.library.register_fake("mimo_fx::check_call", lambda header, expected, guard: None,
-                                lib=_LIB_CALL)
-    _CHECK_CALL = torch.ops.mimo_fx.check_call.default
-    from .comm import register_ordered
-
-    register_ordered(_CHECK_CALL)  # before the collectives that follow it, in order
+# (ordered: before the collectives that follow it, in order)
+_CHECK_CALL = define("check_call(SymInt[] header, SymInt[] expected, str guard) -> ()",
+                     _check_call, lambda header, expected, guard: None, ordered=True)
 
 
 def _violated(kind: str, values) -> bool:
@@ -394,18 +386,8 @@ def _check_impl(values, kind: str, message: str) -> None:
         raise MimoFxError(message.format(*values))
 
 
-_LIB = torch.library.Library("mimo_fx", "FRAGMENT")
-try:
-    _CHECK = torch.ops.mimo_fx.check.default
-except AttributeError:  # (this module may be executed twice, e.g. by a doctest run)
-    _LIB.define("check(SymInt[] values, str kind, str message) -> ()")
-    _LIB.impl("check", _check_impl, "CompositeExplicitAutograd")
-    torch.library.register_fake("mimo_fx::check", lambda values, kind, message: None,
-                                lib=_LIB)
-    _CHECK = torch.ops.mimo_fx.check.default
-    from .comm import register_ordered
-
-    register_ordered(_CHECK)
+_CHECK = define("check(SymInt[] values, str kind, str message) -> ()", _check_impl,
+                lambda values, kind, message: None, ordered=True)
 
 
 def runtime_check(kind: str, values, message: str) -> None:

@@ -42,6 +42,7 @@ from .executor import CompiledExecutor, Numbers
 from .groups import CHECK
 from .guard import HEADER_LEN, Guard, fingerprint, raise_now
 from .lease import Lease, release_later, require_world
+from .ops import define
 from .options import Options, require_compiler
 from .rows import key_of, sizing_for
 from .sizing import CACHED_SIZES, CALL_OPTIONS, _size_key, flat_sizes, read_sizes
@@ -829,21 +830,11 @@ def _gather_sizes_eager(self: Redistributor, row: list, known, batch,
     return out.clone(), dict(learned)
 
 
-_LIB = torch.library.Library("mimo_fx", "FRAGMENT")
-try:
-    _GATHER_SIZES = torch.ops.mimo_fx.gather_sizes.default
-except AttributeError:  # (this module may be executed twice, e.g. by a doctest run)
-    _LIB.define("gather_sizes(Tensor row, SymInt[] known, Tensor[] batch, str bridge, "
-                "str spec) -> Tensor")
-    _LIB.impl("gather_sizes", _gather_sizes_impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(
-        "mimo_fx::gather_sizes",
-        lambda row, known, batch, bridge, spec: row.new_empty(
-            row.numel() * len(live.named(bridge).union)), lib=_LIB)
-    _GATHER_SIZES = torch.ops.mimo_fx.gather_sizes.default
-    from .comm import register_ordered
-
-    register_ordered(_GATHER_SIZES)
+_GATHER_SIZES = define(
+    "gather_sizes(Tensor row, SymInt[] known, Tensor[] batch, str bridge, str spec) -> Tensor",
+    _gather_sizes_impl,
+    lambda row, known, batch, bridge, spec: row.new_empty(
+        row.numel() * len(live.named(bridge).union)), ordered=True)
 
 
 def _identity(src, dst, name: str | None) -> str:

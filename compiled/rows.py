@@ -42,6 +42,7 @@ from mimo_fx.rows import (
 from . import lowering, straight
 from .guard import runtime_check
 from .live import named
+from .ops import define
 from .sizing import CallSizes, Programs, Sizing, flat_sizes, read_sizes
 
 __all__ = ["RowSizing", "key_of", "sizing_for"]
@@ -295,7 +296,6 @@ class RowSizing(CallSizes):
 
 
 # -- the route op ------------------------------------------------------------------------
-_LIB = torch.library.Library("mimo_fx", "FRAGMENT")
 _OUTPUTS = len(ROUTE_INDEX) + 1
 
 
@@ -320,14 +320,8 @@ def _route_fake(src_data, dst_data, bridge: str):
     return (*index, src_data.new_empty((4 * n + 4,)))  # the counts, then the digest
 
 
-try:
-    _ROUTE = torch.ops.mimo_fx.route.default
-except AttributeError:  # (this module may be executed twice, e.g. by a doctest run)
-    _LIB.define("route(Tensor src_data, Tensor dst_data, str bridge) -> ("
-                + ", ".join(["Tensor"] * _OUTPUTS) + ")")
-    _LIB.impl("route", _route_impl, "CompositeExplicitAutograd")
-    torch.library.register_fake("mimo_fx::route", _route_fake, lib=_LIB)
-    _ROUTE = torch.ops.mimo_fx.route.default
+_ROUTE = define("route(Tensor src_data, Tensor dst_data, str bridge) -> ("
+                + ", ".join(["Tensor"] * _OUTPUTS) + ")", _route_impl, _route_fake)
 
 
 def _route_op(bridge: str, src_data: torch.Tensor, dst_data: torch.Tensor):
