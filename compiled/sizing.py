@@ -58,6 +58,20 @@ class Programs(NamedTuple):
     digest: Any = 0
 
 
+def _large(pairs, sizes: dict, free: tuple[str, ...]) -> dict:
+    """``sizes`` with their free even dims doubled until the plans' groups change (a
+    large exchange's rounds), or up to 2**20 times: the groups a bridge of free sizes
+    creates also for its large calls (``pairs``: its directions' layouts)."""
+    even = [d for d in free if not isinstance(sizes[d], tuple)]
+    first = [plan_groups(*pair, sizes) for pair in pairs]
+    at = dict(sizes)
+    for _ in range(20 if even else 0):
+        at = {d: n * 2 if d in even else n for d, n in at.items()}
+        if [plan_groups(*pair, at) for pair in pairs] != first:
+            break
+    return at
+
+
 def _plain(sizes, dim_sizes: dict) -> tuple | None:
     """A call's given sizes as a hashable key, where every value is a plain int (or a
     tuple of them); None otherwise (tensors, SymInts, lists: checked afresh)."""
@@ -246,17 +260,21 @@ class Sizing(CallSizes):
         sizes = self._plan_shapes(grad_partial)
         # every rank lists the same groups in the same order, from the decisions the
         # plans share (no rank plans another's transfers): per direction, each issued
-        # on groups of its own (a forward never pairs with a backward)
-        self.groups = {"forward": self._groups((src, dst), sizes),
-                       "backward": self._groups(self.adjoint, sizes)}
+        # on groups of its own (a forward never pairs with a backward); free sizes
+        # also get the groups of their large sizes' plans (see programs_at)
+        directions = {"forward": (src, dst), "backward": self.adjoint}
+        self._shaped = {k: plan_groups(*pair, sizes) for k, pair in directions.items()}
+        large = _large(directions.values(), sizes, self.free) if self.free else sizes
+        self.groups = {k: self._groups(pair, (sizes, large))
+                       for k, pair in directions.items()}
         self._lower_programs()
         self._cache: OrderedDict[tuple, tuple] = OrderedDict()
         self.name = ""  # its bridge's (see .live), set by the bridge
 
     # -- building ------------------------------------------------------------------------
-    def _groups(self, layouts: tuple[Layout, Layout], sizes: dict
+    def _groups(self, layouts: tuple[Layout, Layout], sizes: tuple[dict, ...]
                 ) -> tuple[tuple[int, ...], ...]:
-        groups = list(plan_groups(layouts[0], layouts[1], sizes))
+        groups = list(dict.fromkeys(g for at in sizes for g in plan_groups(*layouts, at)))
         if self.free and len(self.union) > 1 and self.union not in groups:
             groups.append(self.union)  # for sizes whose gathers find no group
         return tuple(groups)
@@ -439,7 +457,7 @@ class Sizing(CallSizes):
             return hit
         full = dict(key)
         t = self.template
-        if t is not None and t.fits(full):
+        if t is not None and t.fits(full) and self._template_shaped(full):
             env = t.env(full)
             progs = (self._at[0](env), self._at[1](env))
         else:
@@ -450,6 +468,14 @@ class Sizing(CallSizes):
         if len(self._cache) > CACHED_SIZES:
             self._cache.popitem(last=False)
         return progs
+
+    def _template_shaped(self, full: dict) -> bool:
+        """Whether the plans at ``full`` take the template's groups (the same rounds: a
+        large exchange goes in two where the template's small sizes went in one, and is
+        then planned at its sizes, each element crossing between the grids once)."""
+        check_sizes(self.src, self.dst, full)
+        return all(plan_groups(*pair, full) == self._shaped[k] for k, pair in
+                   (("forward", (self.src, self.dst)), ("backward", self.adjoint)))
 
     def _rank_plan(self, layouts: tuple[Layout, Layout], sizes: dict):
         """This rank's part of the plan at ``sizes``; where it would gather over groups
