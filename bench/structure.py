@@ -19,6 +19,12 @@ Two counts, each a property of the code's structure rather than of one spelling:
   class (``RowRouting``, ``RowSizing``) or of a bridge's ``.rows`` or a sizing's
   ``.batched`` flag in a condition (``if``, ``while``, conditional expression,
   ``and``/``or``/``not`` operand).
+- **Custom-op registration**: each ``torch.library.Library(...)`` fragment made, and each
+  module that registers an op itself (calls ``torch.library``'s ``register_fake``,
+  ``define``, ``impl``, ``custom_op`` or ``_register_effectful_op``, or a fragment's
+  ``define``/``impl``): where the ``mimo_fx::`` ops and their side effects live.
+- **Docstrings longer than their function**: functions and methods whose docstring has
+  more lines than the rest of their body (each listed with its lines).
 """
 
 from __future__ import annotations
@@ -116,21 +122,85 @@ def row_cases(path: Path) -> list[tuple[int, str]]:
     return sorted((line, what) for (line, _), what in found.items())
 
 
+REGISTERS = {"register_fake", "define", "impl", "custom_op", "_register_effectful_op"}
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def op_registrations(path: Path) -> tuple[list[int], list[int]]:
+    """(lines of each ``Library(...)`` made, lines of each op registered here)."""
+    tree = ast.parse(path.read_text())
+    fragments = {_name(t) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Call) and _name(node.value.func) == "Library"
+                 for t in node.targets}
+    made, registered = [], []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        dotted = _dotted(node.func)
+        if _name(node.func) == "Library" and "library" in dotted:
+            made.append(node.lineno)
+        elif _name(node.func) in REGISTERS and (
+                dotted.startswith("torch.library.") or dotted.rsplit(".", 1)[0] in fragments
+                or _name(node.func) == "_register_effectful_op"):
+            registered.append(node.lineno)
+    return made, registered
+
+
+def long_docstrings(path: Path) -> list[tuple[int, str, int, int]]:
+    """(line, name, docstring lines, body lines) of each function whose docstring has
+    more lines than the statements after it."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        doc = ast.get_docstring(node, clean=False)
+        if doc is None or len(node.body) < 2:
+            continue
+        first = node.body[0]
+        doc_lines = (first.end_lineno or first.lineno) - first.lineno + 1
+        rest = node.body[1:]
+        body_lines = (rest[-1].end_lineno or rest[-1].lineno) - rest[0].lineno + 1
+        if doc_lines > body_lines:
+            out.append((node.lineno, node.name, doc_lines, body_lines))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quiet", action="store_true", help="the counts only")
     args = parser.parse_args(argv)
-    state, rows = [], []
+    state, rows, made, registering, docs = [], [], [], {}, []
     for path in _files():
         rel = path.relative_to(ROOT).as_posix()
         state += [(rel, line, name) for line, name in module_state(path)]
+        fragments, registered = op_registrations(path)
+        made += [(rel, line) for line in fragments]
+        if registered:
+            registering[rel] = registered
+        docs += [(rel, *found) for found in long_docstrings(path)]
         if rel not in LAYOUT_MODULES:
             rows += [(rel, line, what) for line, what in row_cases(path)]
     print(f"module-level mutable state: {len(state)} names in "
           f"{len({s[0] for s in state})} modules")
     print(f"row special cases outside {', '.join(sorted(LAYOUT_MODULES))}: {len(rows)} in "
           f"{len({r[0] for r in rows})} modules")
+    print(f"torch.library fragments: {len(made)}; modules registering mimo_fx:: ops: "
+          f"{len(registering)}")
+    print(f"functions whose docstring is longer than their body: {len(docs)}")
     if not args.quiet:
+        print("\ntorch.library fragments and registrations:")
+        for rel, line in made:
+            print(f"  {rel}:{line}  Library(...)")
+        for rel, lines in registering.items():
+            print(f"  {rel}: registers at lines {', '.join(map(str, lines))}")
+        print("\nfunctions whose docstring is longer than their body:")
+        for rel, line, name, doc, body in docs:
+            print(f"  {rel}:{line}  {name}: {doc} docstring lines, {body} of body")
         print("\nmodule-level mutable state:")
         for rel, line, name in state:
             print(f"  {rel}:{line}  {name}")

@@ -149,7 +149,7 @@ def test_results_and_docs_carry_no_local_paths():
 
 
 def test_the_structure_counter_counts_what_it_says(tmp_path):
-    """bench/structure.py's two counts, on code written to hold a known number of each."""
+    """bench/structure.py's counts, on code written to hold a known number of each."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("structure", ROOT / "bench" / "structure.py")
@@ -168,3 +168,13 @@ def test_the_structure_counter_counts_what_it_says(tmp_path):
     assert [name for _, name in structure.module_state(code)] == ["_A", "_B"]
     assert [what for _, what in structure.row_cases(code)] == [
         "isinstance(..., PackedLayout)", "condition on rows", "is_row_layout(...)"]
+    ops = tmp_path / "ops.py"
+    ops.write_text(
+        "import torch\n_L = torch.library.Library('x', 'FRAGMENT')\n"
+        "def f():\n    'One line.'\n    return 1\n"
+        "_L.define('f() -> ()')\n_L.impl('f', f, 'CPU')\nother.define('g')\n"
+        "torch.library.register_fake('x::f', f, lib=_L)\ntorch.library.get_ctx()\n")
+    assert structure.op_registrations(ops) == ([2], [6, 7, 9])
+    assert structure.long_docstrings(ops) == []  # (as long as its body: not counted)
+    ops.write_text("def g(x):\n    '''One\n    two\n    three.'''\n    y = x\n    return y\n")
+    assert structure.long_docstrings(ops) == [(1, "g", 3, 2)]

@@ -199,3 +199,30 @@ def test_a_primed_polynomial_has_the_value_of_its_terms(terms, u, c0, c1):
     before = poly.eval(env)
     poly.prime()
     assert poly.eval(env) == before == want
+
+
+@pytest.mark.parametrize("rank", [0, 1, 4, 7])
+def test_a_free_size_bridges_large_calls_are_planned_at_their_sizes(rank):
+    """A TP-replicated source behind a fan-out: the template (small sizes, one round)
+    sends each TP rank its gradient; at 16 MiB the plan sends it once across and
+    all-gathers it over TP, and an eager call of the free-size bridge runs that plan
+    (the groups it needs were made with the bridge's)."""
+    import torch
+
+    from mimo_fx.compiled.sizing import Sizing, _size_key
+
+    src = Layout(Grid(tp=2, dp=2), "(dp b) s h")
+    dst = Layout(Grid(dp=4, offset=4), "(dp b) s h")
+    free = Sizing(src, dst, None, torch.float32, (), rank, "test")
+    assert {(0, 1), (2, 3)} <= set(free.groups["backward"])
+    for s, rounds in ((8, ["all_to_all"]), (2048, ["all_to_all", "all_gather"])):
+        full = {"b": 8, "s": s, "h": 256}
+        fixed = Sizing(src, dst, full, torch.float32, (), rank, "test")
+        fwd, bwd = free.programs_at(_size_key(full))
+        assert [o.kind.value for o in bwd.ops] == rounds[:len(bwd.ops)]
+        assert [(o.kind, o.ranks) for o in bwd.ops] == \
+               [(o.kind, o.ranks) for o in fixed.bwd_program.ops]
+        assert [(o.kind, o.ranks) for o in fwd.ops] == \
+               [(o.kind, o.ranks) for o in fixed.fwd_program.ops]
+        if rank >= 4:  # a receiver's gradient: to both TP ranks, then to one
+            assert len(bwd.ops[0].pack) == (2 if s == 8 else 1), (s, bwd.ops[0].pack)
