@@ -19,6 +19,11 @@ Two counts, each a property of the code's structure rather than of one spelling:
   class (``RowRouting``, ``RowSizing``) or of a bridge's ``.rows`` or a sizing's
   ``.batched`` flag in a condition (``if``, ``while``, conditional expression,
   ``and``/``or``/``not`` operand).
+- **Module-level state that only grows**: of those, each container that code adds to
+  and nothing takes from: a plain one its module's functions fill, or an attribute
+  that the methods of a module-level object's class fill and never empty or replace
+  (weak containers aside: what they hold lives elsewhere; tables a decorator or an
+  ``__init_subclass__`` fills at import aside).
 - **Custom-op registration**: each ``torch.library.Library(...)`` fragment made, and each
   module that registers an op itself (calls ``torch.library``'s ``register_fake``,
   ``define``, ``impl``, ``custom_op`` or ``_register_effectful_op``, or a fragment's
@@ -122,6 +127,82 @@ def row_cases(path: Path) -> list[tuple[int, str]]:
     return sorted((line, what) for (line, _), what in found.items())
 
 
+GROWS = {"append", "appendleft", "add", "extend", "insert", "setdefault", "update"}
+SHRINKS = {"pop", "popitem", "popleft", "clear", "remove", "discard"}
+WEAK = {"WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}
+
+
+def _grows_and_shrinks(nodes, owner, items: bool = True) -> tuple[bool, bool]:
+    """Whether code in ``nodes`` adds to / takes from the container ``owner(node)`` names
+    (a call of its growing or shrinking methods, an item assigned -- where ``items`` --
+    or deleted)."""
+    grows = shrinks = False
+    for node in nodes:
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) \
+                    and owner(sub.func.value):
+                grows |= sub.func.attr in GROWS
+                shrinks |= sub.func.attr in SHRINKS
+            elif isinstance(sub, (ast.Assign, ast.AugAssign, ast.Delete)):
+                targets = sub.targets if isinstance(sub, (ast.Assign, ast.Delete)) \
+                    else [sub.target]
+                flat = [e for t in targets for e in (
+                    t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
+                for t in flat:
+                    if isinstance(t, ast.Subscript) and owner(t.value):
+                        grows |= items and not isinstance(sub, ast.Delete)
+                        shrinks |= isinstance(sub, ast.Delete)
+    return grows, shrinks
+
+
+def unbounded_state(path: Path) -> list[tuple[int, str]]:
+    """(line, name) of each module-level container that code adds to and nothing takes
+    from (nor replaces, for an object's attribute): a plain container its module's
+    functions fill, or an instance of a class of the module, one of whose attributes
+    its methods fill. Weak containers are bounded by what lives elsewhere."""
+    body = ast.parse(path.read_text()).body
+    classes = {node.name: node for node in body if isinstance(node, ast.ClassDef)}
+    # (a decorator's or a class's __init_subclass__ fills a table at import: bounded)
+    decorators = {_name(d.func if isinstance(d, ast.Call) else d) for node in body
+                  for d in getattr(node, "decorator_list", ())}
+    functions = [node for node in body if isinstance(node, ast.FunctionDef)
+                 and node.name not in decorators]
+    functions += [m for node in body if isinstance(node, ast.ClassDef) for m in node.body
+                  if isinstance(m, ast.FunctionDef) and m.name != "__init_subclass__"]
+    out = []
+    for line, name in module_state(path):
+        value = next(n.value for n in body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                     and n.lineno == line)
+        kind = _name(value.func) if isinstance(value, ast.Call) else ""
+        if kind in WEAK:
+            continue
+        if kind in classes:
+            methods = [m for m in classes[kind].body if isinstance(m, ast.FunctionDef)]
+            later = [m for m in methods if m.name != "__init__"]
+            attrs = {t.attr: sub.value for m in methods for sub in ast.walk(m)
+                     if isinstance(sub, (ast.Assign, ast.AnnAssign))
+                     for t in (sub.targets if isinstance(sub, ast.Assign) else [sub.target])
+                     if isinstance(t, ast.Attribute) and _name(t.value) == "self"}
+            for attr in sorted(attrs):
+                def of(node, attr=attr):
+                    return isinstance(node, ast.Attribute) and node.attr == attr and \
+                        _name(node.value) == "self"
+                # (an item of a list set: no growth -- a list made as [..] or [..] * n)
+                listed = isinstance(attrs[attr], (ast.List, ast.ListComp)) or (
+                    isinstance(attrs[attr], ast.BinOp) and isinstance(attrs[attr].left, ast.List))
+                grows, shrinks = _grows_and_shrinks(later, of, items=not listed)
+                replaced = any(isinstance(sub, ast.Assign) and any(of(t) for t in sub.targets)
+                               for m in later for sub in ast.walk(m))
+                if grows and not (shrinks or replaced):
+                    out.append((line, f"{name}.{attr}"))
+            continue
+        grows, shrinks = _grows_and_shrinks(
+            functions, lambda node, name=name: isinstance(node, ast.Name) and node.id == name)
+        if grows and not shrinks:
+            out.append((line, name))
+    return out
+
+
 REGISTERS = {"register_fake", "define", "impl", "custom_op", "_register_effectful_op"}
 
 
@@ -174,10 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quiet", action="store_true", help="the counts only")
     args = parser.parse_args(argv)
-    state, rows, made, registering, docs = [], [], [], {}, []
+    state, rows, made, registering, docs, growing = [], [], [], {}, [], []
     for path in _files():
         rel = path.relative_to(ROOT).as_posix()
         state += [(rel, line, name) for line, name in module_state(path)]
+        growing += [(rel, line, name) for line, name in unbounded_state(path)]
         fragments, registered = op_registrations(path)
         made += [(rel, line) for line in fragments]
         if registered:
@@ -189,10 +271,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{len({s[0] for s in state})} modules")
     print(f"row special cases outside {', '.join(sorted(LAYOUT_MODULES))}: {len(rows)} in "
           f"{len({r[0] for r in rows})} modules")
+    print(f"module-level state that only grows: "
+          f"{len({(rel, name.split('.')[0]) for rel, _, name in growing})} names")
     print(f"torch.library fragments: {len(made)}; modules registering mimo_fx:: ops: "
           f"{len(registering)}")
     print(f"functions whose docstring is longer than their body: {len(docs)}")
     if not args.quiet:
+        print("\nmodule-level state that only grows (filled, never emptied):")
+        for rel, line, name in growing:
+            print(f"  {rel}:{line}  {name}")
         print("\ntorch.library fragments and registrations:")
         for rel, line in made:
             print(f"  {rel}:{line}  Library(...)")

@@ -322,11 +322,12 @@ def _join(pg, ranks: Ranks, what: str, device: torch.device) -> None:
 
 
 def acquire(groups: Iterable[Ranks], tag: str = "", what: str = "mimo_fx",
-            device: torch.device | None = None) -> None:
+            device: torch.device | None = None, meshes: tuple = ()) -> None:
     """Create (or reference) every group this rank is a member of; call on every rank of
     the owner (a bridge: the ranks of its grids) with the same list (``what`` names the
     owner in errors; ``device``: where the groups' data moves, default
-    :func:`data_device`)."""
+    :func:`data_device`; ``meshes``: the DeviceMeshes its grids came from, whose dims'
+    groups it takes where they match)."""
     _sync_world()
     world, rank = dist.get_world_size(), dist.get_rank()
     for ranks in groups:
@@ -339,7 +340,7 @@ def acquire(groups: Iterable[Ranks], tag: str = "", what: str = "mimo_fx",
         if entry is not None:
             entry[1] += 1
             continue
-        mesh = mesh_groups(ranks) if tag != CHECK and "p2p" not in tag else None
+        mesh = mesh_groups(ranks, meshes) if tag != CHECK and "p2p" not in tag else None
         if mesh is not None:  # a mesh dim's own group: used, never created nor destroyed
             pg = mesh[0].get_group(mesh[1])
             POOL.reused += 1

@@ -50,16 +50,17 @@ class Lease:
     order; a rank holds the groups it is a member of."""
 
     def __init__(self, what: str, data: Sequence[Ranks] = (),
-                 tagged: Sequence[tuple[str, Ranks]] = (), device=None) -> None:
+                 tagged: Sequence[tuple[str, Ranks]] = (), device=None,
+                 meshes: tuple = ()) -> None:
         self.what = what
         self.rank = require_world(what)
         release_dropped()
         self.data = tuple(dict.fromkeys(data))
         self.tagged = tuple(dict.fromkeys(tagged))
         before = groups.created(), groups.reused()
-        groups.acquire(self.data, what=what, device=device)
+        groups.acquire(self.data, what=what, device=device, meshes=meshes)
         for tag, ranks in self.tagged:
-            groups.acquire([ranks], tag, what, device)
+            groups.acquire([ranks], tag, what, device, meshes)
         self.created = groups.created() - before[0]  # process groups this lease made
         self.reused = groups.reused() - before[1]    # mesh dims' groups it took instead
         self.world = groups.world_token()

@@ -111,8 +111,10 @@ class Redistributor:
         if not opts.frozen:  # (a frozen source's backward moves nothing)
             tagged += [(bwd, g) for g in self.sizing.groups["backward"]]
         checks = [(CHECK, self.union)] if len(self.union) > 1 else []
+        meshes = tuple(dict.fromkeys(m for m in (src.grid.mesh, dst.grid.mesh)
+                                     if m is not None))  # (their groups reused)
         self.lease = Lease(f"this bridge {src.describe()!r} -> {dst.describe()!r}",
-                           (), tagged + checks, self.device)
+                           (), tagged + checks, self.device, meshes)
         self.source_only = self.involved and not dst.holds(self.rank)
         # a source-only rank's results awaiting joined(): the last call's, or a transform's
         self.source_result, self.source_results_in_transform = None, []

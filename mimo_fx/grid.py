@@ -39,6 +39,7 @@ class Grid:
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     offset: int
+    mesh = None  # (not a field: the DeviceMesh it was made from, see Grid.from_mesh)
 
     @staticmethod
     def from_mesh(mesh) -> Grid:
@@ -203,6 +204,12 @@ class Grid:
     def __reduce__(self):
         return (_make_grid, (self.names, self.sizes, self.offset))
 
+    def __deepcopy__(self, memo) -> Grid:
+        copied = _make_grid(self.names, self.sizes, self.offset)
+        if self.mesh is not None:  # (the same mesh: a copy's groups are still its dims')
+            object.__setattr__(copied, "mesh", self.mesh)
+        return copied
+
 
 def _make_grid(names, sizes, offset) -> Grid:
     _check_names(names, "axis")
@@ -338,32 +345,27 @@ def is_mesh(obj: object) -> bool:
     return hasattr(obj, "mesh") and hasattr(obj, "mesh_dim_names") and hasattr(obj, "get_group")
 
 
-# the meshes grids were made from: a bridge over such a grid reuses the mesh's own
-# process group wherever one of its groups is one of a mesh dim's (see mesh_groups)
-_MESHES: dict[Grid, list] = {}
-
-
 def _from_mesh(mesh) -> Grid:
     if mesh.mesh_dim_names is None:
         raise MimoFxError(f"DeviceMesh {mesh} has no dim names; name its dims "
                           f"(init_device_mesh(..., mesh_dim_names=(\"dp\", \"tp\"))): a "
                           f"layout's pattern names them")
     grid = grid_from_mesh(mesh)
-    known = _MESHES.setdefault(grid, [])
-    if not any(m is mesh for m in known):
-        known.append(mesh)
+    # the mesh travels with the grid made from it (not part of its value: equal grids
+    # are equal whatever mesh they came from), so a bridge over it can reuse the mesh's
+    # process groups (see mesh_groups)
+    object.__setattr__(grid, "mesh", mesh)
     return grid
 
 
-def mesh_groups(ranks: tuple[int, ...]):
-    """A mesh dim's process group whose members are ``ranks`` in this order, from the
-    meshes grids were made from: ``(mesh, dim name)``, or None. Every rank answers
-    alike (it reads the meshes' rank tensors, which every rank holds)."""
-    for meshes in _MESHES.values():
-        for mesh in meshes:
-            table = mesh.mesh
-            for d, name in enumerate(mesh.mesh_dim_names):
-                moved = table.movedim(d, -1).reshape(-1, table.shape[d])
-                if any(tuple(row.tolist()) == ranks for row in moved):
-                    return mesh, name
+def mesh_groups(ranks: tuple[int, ...], meshes) -> tuple | None:
+    """A mesh dim's process group whose members are ``ranks`` in this order, from
+    ``meshes`` (those a bridge's grids were made from): ``(mesh, dim name)``, or None.
+    Every rank answers alike (it reads the meshes' rank tensors, which every rank holds)."""
+    for mesh in meshes:
+        table = mesh.mesh
+        for d, name in enumerate(mesh.mesh_dim_names):
+            moved = table.movedim(d, -1).reshape(-1, table.shape[d])
+            if any(tuple(row.tolist()) == ranks for row in moved):
+                return mesh, name
     return None

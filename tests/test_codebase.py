@@ -178,3 +178,14 @@ def test_the_structure_counter_counts_what_it_says(tmp_path):
     assert structure.long_docstrings(ops) == []  # (as long as its body: not counted)
     ops.write_text("def g(x):\n    '''One\n    two\n    three.'''\n    y = x\n    return y\n")
     assert structure.long_docstrings(ops) == [(1, "g", 3, 2)]
+    state = tmp_path / "state.py"
+    state.write_text(
+        "_A = {}\n_B = {}\n_C = []\n"
+        "def put(k):\n    _A[k] = 1\n    _B.setdefault(k, 2)\n    _C.append(k)\n"
+        "def take(k):\n    _B.pop(k)\n"
+        "class Ring:\n    def __init__(self):\n        self.slots = [None] * 4\n"
+        "        self.seen: dict = {}\n        self.log = []\n"
+        "    def put(self, k):\n        self.slots[0], self.seen[k] = k, 0\n"
+        "        self.log.append(k)\n    def drop(self, k):\n        del self.seen[k]\n"
+        "_R = Ring()\n")
+    assert [name for _, name in structure.unbounded_state(state)] == ["_A", "_C", "_R.log"]

@@ -665,3 +665,18 @@ def test_the_docs_example_moves_pieces_and_gradients(world_results):
             assert piece is None and torch.equal(grad, 2 * x.tensor_split(2)[rank // 2])
         else:
             assert grad is None and torch.equal(piece, x.tensor_split(4, dim=1)[rank - 4])
+
+
+def test_the_moves_kept_are_bounded():
+    """Numbering more moves than MOVES_KEPT reuses the oldest slots: the last ones are
+    read back, a move seen again keeps its slot, and nothing grows past the bound."""
+    from mimo_fx.interop.dtensor import MOVES_KEPT, _Moves
+
+    moves = _Moves()
+    slots = [moves.number(("move", i)) for i in range(MOVES_KEPT + 10)]
+    assert slots[:3] == [0, 1, 2] and slots[MOVES_KEPT:MOVES_KEPT + 2] == [0, 1]
+    assert len(moves.numbers) == len(moves.layouts) == MOVES_KEPT
+    last = MOVES_KEPT + 9
+    assert moves.layouts[moves.number(("move", last))] == ("move", last)
+    assert moves.number(("move", last)) == slots[-1]
+    assert ("move", 0) not in moves.numbers

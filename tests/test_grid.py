@@ -266,3 +266,34 @@ def test_membership_of_a_rank_dynamo_made_symbolic(at):
                             dynamic=True)(torch.ones(3))
         holds = 2 <= rank < 6 and (at is None or (rank - 2) // 2 == 1)
         assert torch.equal(got, torch.full((3,), 2.0 if holds else 0.0)), (rank, got)
+
+
+class _Mesh:
+    """What Grid.from_mesh reads of a DeviceMesh: its rank table and dim names."""
+
+    def __init__(self, table, names) -> None:
+        import torch
+
+        self.mesh, self.mesh_dim_names = torch.tensor(table), names
+
+    def get_group(self, name):  # (never called here)
+        raise AssertionError(name)
+
+
+def test_a_grid_made_from_a_mesh_carries_it_outside_its_value():
+    """The mesh travels with the grid (and its deep copies, as a bridge's layouts are),
+    not with its value: equal to the plain grid, pickled without it; and its dims'
+    groups are found in it alone (no registry of every mesh seen)."""
+    import copy
+
+    from mimo_fx.grid import mesh_groups
+
+    mesh = _Mesh([[0, 1], [2, 3], [4, 5], [6, 7]], ("dp", "tp"))
+    grid = Grid.from_mesh(mesh)
+    assert grid.mesh is mesh and Grid(tp=2, dp=4).mesh is None
+    assert grid == Grid(tp=2, dp=4) and hash(grid) == hash(Grid(tp=2, dp=4))
+    assert copy.deepcopy(grid).mesh is mesh
+    assert pickle.loads(pickle.dumps(grid)).mesh is None
+    assert mesh_groups((0, 1), [mesh]) == (mesh, "tp")
+    assert mesh_groups((1, 3, 5, 7), [mesh]) == (mesh, "dp")
+    assert mesh_groups((0, 2), [mesh]) is None and mesh_groups((0, 1), []) is None

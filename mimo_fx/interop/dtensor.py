@@ -374,19 +374,28 @@ def _chunked(layout: Layout) -> Layout:
     return Layout(layout.grid, layout.pattern, partial=layout.partial, split="chunk")
 
 
+MOVES_KEPT = 256  # the moves whose layouts are kept (the oldest slot is reused)
+
+
 class _Moves:
-    """The layouts of every move seen, each numbered once: a graph keeps a move's number
-    (a constant) and reads its layouts back here."""
+    """The layouts of the moves seen lately, each in a numbered slot: a graph keeps a
+    move's number (a constant) and reads its layouts back while it is traced, just
+    after numbering it. Past ``MOVES_KEPT`` moves the oldest slot takes the next."""
 
     def __init__(self) -> None:
-        self.layouts: list[tuple] = []
+        self.layouts: list[tuple | None] = [None] * MOVES_KEPT
         self.numbers: dict[tuple, int] = {}
+        self.seen = 0
 
     def number(self, move: tuple) -> int:
-        if move not in self.numbers:
-            self.numbers[move] = len(self.layouts)
-            self.layouts.append(move)
-        return self.numbers[move]
+        slot = self.numbers.get(move)
+        if slot is None:
+            slot, self.seen = self.seen % MOVES_KEPT, self.seen + 1
+            old = self.layouts[slot]
+            if old is not None:
+                del self.numbers[old]
+            self.layouts[slot], self.numbers[move] = move, slot
+        return slot
 
 
 _MOVES = _Moves()
@@ -410,8 +419,10 @@ def _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked,
     from mimo_fx.compiled import bridge_for
     from mimo_fx.compiled.options import Options
 
-    src, dst = _MOVES.layouts[_move_index(x.device_mesh, tuple(x.placements), x.dim(), dst_mesh,
-                                  tuple(dst_placements))]
+    move = _MOVES.layouts[_move_index(x.device_mesh, tuple(x.placements), x.dim(), dst_mesh,
+                                      tuple(dst_placements))]
+    assert move is not None  # (numbered just now)
+    src, dst = move
     opts = Options(x.dtype, grad_partial, comm_dtype, checked, frozen=frozen)
     try:  # sizes free: each call gives its shape (one bridge, one graph for even sizes)
         return bridge_for(src, dst, opts, None, "redistribute_dtensor")
