@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import replace
 from math import lcm
 from typing import Any, NamedTuple
@@ -58,16 +59,17 @@ class Programs(NamedTuple):
     digest: Any = 0
 
 
-def _large(pairs, sizes: dict, free: tuple[str, ...]) -> dict:
+def _large(pairs: Iterable[tuple[Layout, Layout]], sizes: dict,
+           free: tuple[str, ...]) -> dict:
     """``sizes`` with their free even dims doubled until the plans' groups change (a
     large exchange's rounds), or up to 2**20 times: the groups a bridge of free sizes
     creates also for its large calls (``pairs``: its directions' layouts)."""
     even = [d for d in free if not isinstance(sizes[d], tuple)]
-    first = [plan_groups(*pair, sizes) for pair in pairs]
+    first = [plan_groups(a, b, sizes) for a, b in pairs]
     at = dict(sizes)
     for _ in range(20 if even else 0):
         at = {d: n * 2 if d in even else n for d, n in at.items()}
-        if [plan_groups(*pair, at) for pair in pairs] != first:
+        if [plan_groups(a, b, at) for a, b in pairs] != first:
             break
     return at
 
@@ -263,8 +265,8 @@ class Sizing(CallSizes):
         # on groups of its own (a forward never pairs with a backward); free sizes
         # also get the groups of their large sizes' plans (see programs_at)
         directions = {"forward": (src, dst), "backward": self.adjoint}
-        self._shaped = {k: plan_groups(*pair, sizes) for k, pair in directions.items()}
-        large = _large(directions.values(), sizes, self.free) if self.free else sizes
+        self._shaped = {k: plan_groups(a, b, sizes) for k, (a, b) in directions.items()}
+        large = _large(list(directions.values()), sizes, self.free) if self.free else sizes
         self.groups = {k: self._groups(pair, (sizes, large))
                        for k, pair in directions.items()}
         self._lower_programs()
@@ -474,7 +476,7 @@ class Sizing(CallSizes):
         large exchange goes in two where the template's small sizes went in one, and is
         then planned at its sizes, each element crossing between the grids once)."""
         check_sizes(self.src, self.dst, full)
-        return all(plan_groups(*pair, full) == self._shaped[k] for k, pair in
+        return all(plan_groups(a, b, full) == self._shaped[k] for k, (a, b) in
                    (("forward", (self.src, self.dst)), ("backward", self.adjoint)))
 
     def _rank_plan(self, layouts: tuple[Layout, Layout], sizes: dict):
