@@ -189,3 +189,19 @@ def test_the_structure_counter_counts_what_it_says(tmp_path):
         "        self.log.append(k)\n    def drop(self, k):\n        del self.seen[k]\n"
         "_R = Ring()\n")
     assert [name for _, name in structure.unbounded_state(state)] == ["_A", "_C", "_R.log"]
+
+
+def test_tests_readme_names_every_module_with_slow_tests():
+    """tests/README.md's fast-subset section lists every test module that marks a test
+    (or itself) slow, and every helper module of tests/ (what a reader looks for)."""
+    import re
+
+    text = (ROOT / "tests" / "README.md").read_text()
+    section = text.split("## The fast subset", 1)[1].split("\n## ", 1)[0]
+    marked = re.compile(r"^\s*@pytest\.mark\.slow|^pytestmark = .*pytest\.mark\.slow", re.M)
+    slow = sorted(p.name for p in (ROOT / "tests").glob("test_*.py")
+                  if marked.search(p.read_text()))
+    assert [name for name in slow if f"`{name}`" not in section] == []
+    helpers = sorted(p.name for p in (ROOT / "tests").glob("*.py")
+                     if not p.name.startswith(("test_", "conftest")))
+    assert [name for name in helpers if f"`{name}`" not in text] == []
