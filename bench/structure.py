@@ -28,6 +28,8 @@ Two counts, each a property of the code's structure rather than of one spelling:
   module that registers an op itself (calls ``torch.library``'s ``register_fake``,
   ``define``, ``impl``, ``custom_op`` or ``_register_effectful_op``, or a fragment's
   ``define``/``impl``): where the ``mimo_fx::`` ops and their side effects live.
+- **Cut rules compared with a string**: each comparison of a ``rule`` with a string
+  constant (a tiling asking which cut it has, where the cut's type should answer).
 - **Docstrings longer than their function**: functions and methods whose docstring has
   more lines than the rest of their body (each listed with its lines).
 """
@@ -203,6 +205,19 @@ def unbounded_state(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+def rule_branches(path: Path) -> list[int]:
+    """Lines of each comparison of a ``rule`` (an attribute or name) with a string: a
+    cut rule asked for by its spelling rather than answered by its type."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_name(x) == "rule" for x in sides) and any(
+                    isinstance(x, ast.Constant) and isinstance(x.value, str) for x in sides):
+                out.append(node.lineno)
+    return out
+
+
 REGISTERS = {"register_fake", "define", "impl", "custom_op", "_register_effectful_op"}
 
 
@@ -255,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quiet", action="store_true", help="the counts only")
     args = parser.parse_args(argv)
-    state, rows, made, registering, docs, growing = [], [], [], {}, [], []
+    state, rows, made, registering, docs, growing, rules = [], [], [], {}, [], [], []
     for path in _files():
         rel = path.relative_to(ROOT).as_posix()
         state += [(rel, line, name) for line, name in module_state(path)]
@@ -265,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         if registered:
             registering[rel] = registered
         docs += [(rel, *found) for found in long_docstrings(path)]
+        rules += [(rel, line) for line in rule_branches(path)]
         if rel not in LAYOUT_MODULES:
             rows += [(rel, line, what) for line, what in row_cases(path)]
     print(f"module-level mutable state: {len(state)} names in "
@@ -275,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{len({(rel, name.split('.')[0]) for rel, _, name in growing})} names")
     print(f"torch.library fragments: {len(made)}; modules registering mimo_fx:: ops: "
           f"{len(registering)}")
+    print(f"cut rules compared with a string: {len(rules)}")
     print(f"functions whose docstring is longer than their body: {len(docs)}")
     if not args.quiet:
         print("\nmodule-level state that only grows (filled, never emptied):")
@@ -285,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {rel}:{line}  Library(...)")
         for rel, lines in registering.items():
             print(f"  {rel}: registers at lines {', '.join(map(str, lines))}")
+        print("\ncut rules compared with a string:")
+        for rel, line in rules:
+            print(f"  {rel}:{line}")
         print("\nfunctions whose docstring is longer than their body:")
         for rel, line, name, doc, body in docs:
             print(f"  {rel}:{line}  {name}: {doc} docstring lines, {body} of body")

@@ -239,7 +239,7 @@ class Geometry:
         owners hold one interval each and the hold owners' intervals are consecutive."""
         want, hold = self.want.tilings[d], self.hold.tilings[d]
         todo = [o for o in owners if (d, o) not in self._readable]
-        bounds = want.bounds(todo) if hold.rule != "zigzag" and hold._all_owned else None
+        bounds = want.bounds(todo) if hold.rule.monotone and hold._all_owned else None
         if bounds is not None and len(todo) > 64:
             firsts = hold.owners_at(bounds[0])
             lasts = hold.owners_at([b - 1 for b in bounds[1]])
@@ -475,7 +475,7 @@ def _by_owner(tiling, interval: Interval) -> list[tuple[int, list[tuple[Interval
     """``interval`` cut at ``tiling``'s bounds, the pieces grouped by owner (owners in
     order of first appearance; only zigzag gives an owner two)."""
     pieces = tiling.split(*interval)
-    if tiling.rule != "zigzag":
+    if tiling.rule.monotone:
         return [(owner, [(piece, whole)]) for piece, whole, owner in pieces]
     out: dict[int, list[tuple[Interval, Interval]]] = {}
     for piece, whole, owner in pieces:

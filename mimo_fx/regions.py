@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from itertools import product
 from math import prod
+from typing import ClassVar
 
 import torch
 
@@ -27,6 +28,7 @@ from .grid import Grid
 from .layout import Layout
 
 __all__ = ["split_bounds", "chunk_bounds", "shard_bounds", "ragged_bounds", "DimTiling",
+           "Cut", "TensorSplit", "Chunk", "Zigzag", "Ragged",
            "Tiling", "Box", "box_volume", "intersect", "total", "Size", "check_counts",
            "to_canonical", "from_canonical", "local_shape", "box_slices", "relative_slices",
            "assemble"]
@@ -156,6 +158,138 @@ def _chunk_locate(size: int, parts: tuple[int, ...], x: int) -> tuple[int, int, 
     return lo, hi, k
 
 
+# -- cut rules: how a layout's axes cut one dim ------------------------------------------
+@dataclass(frozen=True)
+class Cut:
+    """How the axes sharding a dim cut it into one interval per owner ``k`` of the
+    axes' ``base`` sizes (before any refinement), each rule a small type answering the
+    same questions, so a tiling never asks which rule it has. ``monotone``: owners rise
+    along the dim, one interval each (all but zigzag)."""
+
+    monotone: ClassVar[bool] = True
+
+    def owned(self, size: int, base: tuple[int, ...], k: int) -> tuple[Interval, ...]:
+        """The intervals owner ``k`` holds."""
+        raise NotImplementedError
+
+    def locate(self, size: int, base: tuple[int, ...], x: int) -> tuple[int, int, int]:
+        """``(start, stop, owner)`` of the interval holding position ``x``."""
+        raise NotImplementedError
+
+    def starts(self, size: int, base: tuple[int, ...], ks: list[int]
+               ) -> tuple[list[int], list[int]]:
+        """The one interval of each of owners ``ks``, a column at a time (monotone)."""
+        table = {k: self.owned(size, base, k)[0] for k in set(ks)}
+        return [table[k][0] for k in ks], [table[k][1] for k in ks]
+
+    def shortest(self, size: int, n: int) -> int | None:
+        """The shortest of the ``n`` owners' intervals' lengths; None: some may be empty."""
+        raise NotImplementedError
+
+    def owners_at(self, size: int, base: tuple[int, ...], xs: list[int]) -> list[int] | None:
+        """The owner of each position of ``xs`` in closed form; None: locate each."""
+        return None
+
+    def spans(self, size: int, base: tuple[int, ...], start: int, stop: int
+              ) -> list[tuple[int, int, int]] | None:
+        """``(owner, lo, hi)`` of the owners meeting ``[start, stop)``; None: locate them."""
+        return None
+
+
+@dataclass(frozen=True)
+class TensorSplit(Cut):
+    """``torch.tensor_split``'s rule, over the product of the axes: the first
+    ``size % n`` shards one longer."""
+
+    def owned(self, size, base, k):
+        return (_split_interval(size, prod(base), k),)
+
+    def locate(self, size, base, x):
+        parts = prod(base)
+        k = _split_index(size, parts, x)
+        return (*_split_interval(size, parts, k), k)
+
+    def starts(self, size, base, ks):
+        q, r = divmod(size, prod(base))
+        lo = [k * q + (k if k < r else r) for k in ks]
+        return lo, [a + q + (k < r) for a, k in zip(lo, ks)]
+
+    def shortest(self, size, n):
+        return size // n
+
+    def owners_at(self, size, base, xs):
+        q, r = divmod(size, prod(base))
+        big = r * (q + 1)
+        return [x // (q + 1) if x < big else r + (x - big) // q for x in xs]
+
+    def spans(self, size, base, start, stop):
+        parts = prod(base)
+        q, r = divmod(size, parts)
+        first, last = (_split_index(size, parts, x) for x in (start, stop - 1))
+        out = []
+        for k in range(first, last + 1):
+            lo = k * q + (k if k < r else r)
+            out.append((k, lo, lo + q + (k < r)))
+        return out
+
+
+@dataclass(frozen=True)
+class Chunk(Cut):
+    """DTensor's ``torch.chunk`` rule, axis by axis outermost first (uneven sizes may
+    leave empty shards after full ones)."""
+
+    def owned(self, size, base, k):
+        return (_chunk_interval(size, base, k),)
+
+    def locate(self, size, base, x):
+        return _chunk_locate(size, base, x)
+
+    def shortest(self, size, n):
+        return None if size % n else size // n
+
+
+@dataclass(frozen=True)
+class Zigzag(Cut):
+    """Context parallelism's load balance over one axis of ``n``: owner k holds chunks
+    k and 2n-1-k of 2n equal chunks."""
+
+    monotone: ClassVar[bool] = False
+
+    def owned(self, size, base, k):
+        (n,) = base
+        c = size // (2 * n)
+        return (k * c, (k + 1) * c), ((2 * n - 1 - k) * c, (2 * n - k) * c)
+
+    def locate(self, size, base, x):
+        (n,) = base
+        c = size // (2 * n)
+        j = x // c
+        return j * c, (j + 1) * c, j if j < n else 2 * n - 1 - j
+
+    def shortest(self, size, n):
+        return size // (2 * n)
+
+
+@dataclass(frozen=True)
+class Ragged(Cut):
+    """Shards at run-time counts: ``edges``, the shards' boundaries."""
+
+    edges: tuple[int, ...] = ()
+
+    def owned(self, size, base, k):
+        return ((self.edges[k], self.edges[k + 1]),)
+
+    def locate(self, size, base, x):  # (the one non-empty shard holding x)
+        k = bisect_right(self.edges, x) - 1
+        return self.edges[k], self.edges[k + 1], k
+
+    def starts(self, size, base, ks):
+        return [self.edges[k] for k in ks], [self.edges[k + 1] for k in ks]
+
+    def shortest(self, size, n):
+        return min(b - a for a, b in zip(self.edges, self.edges[1:]))
+
+
 @dataclass(frozen=True)
 class DimTiling:
     """How one dim is cut into intervals, and which coordinate of ``axes`` owns each.
@@ -170,9 +304,8 @@ class DimTiling:
     size: int
     axes: tuple[str, ...]
     parts: tuple[int, ...]  # the sizes of ``axes``
-    rule: str = "tensor_split"  # or "chunk", "zigzag", "ragged": how the layout's axes cut
+    rule: Cut = TensorSplit()  # how the layout's axes cut it
     refined: int = 0
-    edges: tuple[int, ...] = ()  # "ragged": the shards' boundaries, from the counts
 
     @cached_property
     def _sub(self) -> int:
@@ -188,17 +321,6 @@ class DimTiling:
         """How many owner indices there are (``prod(parts)``)."""
         return prod(self.parts)
 
-    def _base_owned(self, k: int) -> tuple[Interval, ...]:
-        if self.rule == "ragged":
-            return ((self.edges[k], self.edges[k + 1]),)
-        if self.rule == "zigzag":
-            (n,) = self._base
-            c = self.size // (2 * n)
-            return (k * c, (k + 1) * c), ((2 * n - 1 - k) * c, (2 * n - k) * c)
-        if self.rule == "chunk":
-            return (_chunk_interval(self.size, self._base, k),)
-        return (_split_interval(self.size, prod(self._base), k),)
-
     @cached_property
     def _owned(self) -> dict[int, tuple[Interval, ...]]:
         return {}  # owner -> its intervals, as asked for (at most one entry per owner)
@@ -213,7 +335,7 @@ class DimTiling:
     def _compute_owned(self, owner: int) -> tuple[Interval, ...]:
         k, sub = divmod(owner, self._sub)
         out = []
-        for lo, hi in self._base_owned(k):
+        for lo, hi in self.rule.owned(self.size, self._base, k):
             if self.refined:
                 a, b = _split_interval(hi - lo, self._sub, sub)
                 lo, hi = lo + a, lo + b
@@ -224,7 +346,7 @@ class DimTiling:
     def bounds(self, owners: list[int]) -> tuple[list[int], list[int]] | None:
         """``(starts, stops)`` of the one interval each of ``owners`` holds (start = stop
         when it holds none), a column at a time; None under zigzag (two intervals)."""
-        if self.rule == "zigzag":
+        if not self.rule.monotone:
             return None
         distinct = set(owners)
         if 8 * len(distinct) < len(owners):  # few owners, many rows: look them up
@@ -232,15 +354,7 @@ class DimTiling:
             return [held[o][0][0] for o in owners], [held[o][0][1] for o in owners]
         sub = self._sub
         base = owners if sub == 1 else [o // sub for o in owners]
-        if self.rule == "ragged":
-            lo, hi = [self.edges[k] for k in base], [self.edges[k + 1] for k in base]
-        elif self.rule == "chunk":
-            table = {k: _chunk_interval(self.size, self._base, k) for k in set(base)}
-            lo, hi = [table[k][0] for k in base], [table[k][1] for k in base]
-        else:
-            q, r = divmod(self.size, prod(self._base))
-            lo = [k * q + (k if k < r else r) for k in base]
-            hi = [a + q + (k < r) for a, k in zip(lo, base)]
+        lo, hi = self.rule.starts(self.size, self._base, base)
         if sub > 1:  # each cut into ``sub`` tensor_split parts: few lengths, few parts
             keys = list(zip([b - a for a, b in zip(lo, hi)], [o % sub for o in owners]))
             cuts = {key: _split_interval(key[0], sub, key[1]) for key in set(keys)}
@@ -251,30 +365,12 @@ class DimTiling:
     def owners_at(self, xs: list[int]) -> list[int]:
         """The owner of the interval holding each position of ``xs`` (see :meth:`locate`),
         in closed form for an unrefined ``tensor_split``."""
-        if self.rule != "tensor_split" or self.refined:
-            return [self.locate(x)[2] for x in xs]
-        q, r = divmod(self.size, prod(self._base))
-        big = r * (q + 1)
-        return [x // (q + 1) if x < big else r + (x - big) // q for x in xs]
-
-    def _base_locate(self, x: int) -> tuple[int, int, int]:
-        if self.rule == "ragged":  # the one non-empty shard holding x
-            k = bisect_right(self.edges, x) - 1
-            return self.edges[k], self.edges[k + 1], k
-        if self.rule == "zigzag":
-            (n,) = self._base
-            c = self.size // (2 * n)
-            j = x // c
-            return j * c, (j + 1) * c, j if j < n else 2 * n - 1 - j
-        if self.rule == "chunk":
-            return _chunk_locate(self.size, self._base, x)
-        parts = prod(self._base)
-        k = _split_index(self.size, parts, x)
-        return (*_split_interval(self.size, parts, k), k)
+        found = None if self.refined else self.rule.owners_at(self.size, self._base, xs)
+        return [self.locate(x)[2] for x in xs] if found is None else found
 
     def locate(self, x: int) -> tuple[int, int, int]:
         """``(start, stop, owner)`` of the interval holding position ``x``."""
-        lo, hi, k = self._base_locate(x)
+        lo, hi, k = self.rule.locate(self.size, self._base, x)
         if not self.refined:
             return lo, hi, k
         sub = _split_index(hi - lo, self._sub, x - lo)
@@ -283,15 +379,11 @@ class DimTiling:
 
     def split(self, start: int, stop: int) -> list[tuple[Interval, Interval, int]]:
         """Cut ``[start, stop)`` at this tiling's bounds: ``(piece, its interval, owner)``."""
-        if self.rule == "tensor_split" and not self.refined:  # consecutive owners
-            parts = prod(self.parts)
-            q, r = divmod(self.size, parts)
-            first, last = (_split_index(self.size, parts, x) for x in (start, stop - 1))
+        spans = None if self.refined else self.rule.spans(self.size, self._base, start, stop)
+        if spans is not None:  # consecutive owners, in closed form
             out = []
             owned = self._owned
-            for k in range(first, last + 1):
-                lo = k * q + (k if k < r else r)
-                hi = lo + q + (k < r)
+            for k, lo, hi in spans:
                 # the owner's own interval object: whole-world plans share it, not copy it
                 whole = owned[k][0] if k in owned else owned.setdefault(k, ((lo, hi),))[0]
                 piece = whole if start <= lo and hi <= stop else (max(start, lo), min(stop, hi))
@@ -309,21 +401,13 @@ class DimTiling:
     def _all_owned(self) -> bool:
         """Whether every owner holds some interval (no empty shard): then the owners
         meeting a range are consecutive, except under zigzag."""
-        n = prod(self._base)
-        if self.rule == "ragged":
-            shortest = min(b - a for a, b in zip(self.edges, self.edges[1:]))
-        elif self.rule == "zigzag":
-            shortest = self.size // (2 * n)
-        elif self.rule == "chunk" and self.size % n:
-            return False  # uneven chunks may leave empty shards between full ones
-        else:
-            shortest = self.size // n
-        return shortest >= self._sub
+        shortest = self.rule.shortest(self.size, prod(self._base))
+        return shortest is not None and shortest >= self._sub
 
     def owners_meeting(self, start: int, stop: int) -> range | tuple[int, ...]:
         """The owners whose intervals meet ``[start, stop)``, ascending: a ``range`` when
         they are consecutive (compared, hashed and searched in O(1)), else a tuple."""
-        if self.rule != "zigzag" and self._all_owned:
+        if self.rule.monotone and self._all_owned:
             return range(self.locate(start)[2], self.locate(stop - 1)[2] + 1)
         return _canonical(sorted({owner for _, _, owner in self.split(start, stop)}))
 
@@ -334,7 +418,7 @@ class DimTiling:
         over the first half and fall over the second.
         """
         first, last = self.locate(start)[2], self.locate(stop - 1)[2]
-        if self.rule != "zigzag":
+        if self.rule.monotone:
             return first, last
         (n,) = self._base
         c = self.size // (2 * n)
@@ -361,9 +445,8 @@ def _dim_tiling(size: Size, axes: tuple[str, ...], grid: Grid, zigzag: bool,
     parts = tuple(grid.axis_size(a) for a in axes)
     if ragged and axes:
         assert isinstance(size, tuple)
-        return DimTiling(total(size), axes, parts, "ragged",
-                         edges=_ragged_edges(size, prod(parts)))
-    rule = "zigzag" if zigzag else ("chunk" if split == "chunk" and axes else "tensor_split")
+        return DimTiling(total(size), axes, parts, Ragged(_ragged_edges(size, prod(parts))))
+    rule = Zigzag() if zigzag else (Chunk() if split == "chunk" and axes else TensorSplit())
     return DimTiling(total(size), axes, parts, rule)
 
 

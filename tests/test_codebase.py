@@ -189,6 +189,10 @@ def test_the_structure_counter_counts_what_it_says(tmp_path):
         "        self.log.append(k)\n    def drop(self, k):\n        del self.seen[k]\n"
         "_R = Ring()\n")
     assert [name for _, name in structure.unbounded_state(state)] == ["_A", "_C", "_R.log"]
+    rules = tmp_path / "rules.py"
+    rules.write_text("def f(t, rule):\n    if t.rule == 'zigzag' or rule != \"chunk\":\n"
+                     "        return 1\n    return t.rule.monotone and t.split == 'chunk'\n")
+    assert structure.rule_branches(rules) == [2, 2]
 
 
 def test_tests_readme_names_every_module_with_slow_tests():

@@ -15,8 +15,11 @@ import pytest
 
 from mimo_fx import Grid, Layout
 from mimo_fx.regions import (
+    Chunk,
     DimTiling,
+    TensorSplit,
     Tiling,
+    Zigzag,
     chunk_bounds,
     split_bounds,
     zigzag_bounds,
@@ -53,7 +56,8 @@ SHAPES = [(size, parts, rule, refine)
 
 @pytest.mark.parametrize("size, parts, rule, refine", SHAPES)
 def test_dim_tiling_matches_its_listed_bounds(size, parts, rule, refine):
-    t = DimTiling(size, tuple(f"a{i}" for i in range(len(parts))), parts, rule)
+    cut = {"tensor_split": TensorSplit(), "chunk": Chunk(), "zigzag": Zigzag()}[rule]
+    t = DimTiling(size, tuple(f"a{i}" for i in range(len(parts))), parts, cut)
     if refine:
         t = t.refine(("r",), [refine])
     listed = _listed(size, parts, rule, refine)
