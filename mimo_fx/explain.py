@@ -34,8 +34,9 @@ from tabulate import tabulate
 
 from .errors import MimoFxError
 from .grid import Grid
-from .plan import Exchange, Holdings, Plan, Step, format_bytes
+from .plan import Exchange, Plan, Step, format_bytes
 from .regions import Box, box_volume
+from .steps import Holdings
 
 __all__ = ["step_matrix", "transfer_matrix", "explain", "rank_table", "draw_png"]
 

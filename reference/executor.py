@@ -21,7 +21,6 @@ from mimo_fx.local import Store, infer_sizes, take
 from mimo_fx.plan import (
     Plan,
     Step,
-    as_int,
     backward_plan,
     kind_of,
     plan,
@@ -30,6 +29,7 @@ from mimo_fx.plan import (
 )
 from mimo_fx.regions import Box
 from mimo_fx.rows import RowRouting, is_row_pair, row_side
+from mimo_fx.sizes import as_int
 from mimo_fx.vjp import apply
 
 __all__ = ["ReferenceExecutor", "redistribute", "run_rows"]

@@ -3,7 +3,7 @@
 A new collective kind is added in exactly the four places of :data:`PLACES`:
 
 1. ``mimo_fx/collective.py``: a member of ``Collective``, the kind's only spelling.
-2. ``mimo_fx/plan.py``: its ``Step`` subclass. Setting ``kind`` registers it in
+2. ``mimo_fx/steps.py``: its ``Step`` subclass. Setting ``kind`` registers it in
    ``STEPS``; it implements ``rank_groups``, ``restrict``, ``deliveries``, ``pairs`` and
    ``describe`` (``reduction_bound`` and ``summary`` have defaults). The planner's choice
    of when to emit it (``_steps``, and ``plan_groups`` for the groups) is planning, which
@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PLACES = {
     "1. mimo_fx/collective.py: a Collective member":
         lambda kind: kind in Collective,
-    "2. mimo_fx/plan.py: a Step subclass with kind = Collective.<KIND>":
+    "2. mimo_fx/steps.py: a Step subclass with kind = Collective.<KIND>":
         lambda kind: kind in STEPS,
     "3. compiled/lowering.py: a function registered with @_lowers(Collective.<KIND>)":
         lambda kind: kind in lowering._LOWER,
