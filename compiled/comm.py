@@ -108,6 +108,8 @@ _c10d = torch.ops._c10d_functional
 _c10d_py: Any = torch._C._distributed_c10d  # type: ignore[attr-defined]
 # the kinds whose op may return with its messages in flight (waited by wait_tensor)
 POSTED = frozenset({Collective.ALL_TO_ALL, Collective.ALL_GATHER})
+
+
 @dataclass(frozen=True)
 class CommOp:
     """One kind of collective: its ordered custom op ``mimo_fx::<kind>`` (``op``, run on

@@ -77,9 +77,9 @@ def _large(pairs: Iterable[tuple[Layout, Layout]], sizes: dict,
 def _plain(sizes, dim_sizes: dict) -> tuple | None:
     """A call's given sizes as a hashable key, where every value is a plain int (or a
     tuple of them); None otherwise (tensors, SymInts, lists: checked afresh)."""
-    items = [*(sizes.items() if isinstance(sizes, dict) else ()), *dim_sizes.items()]
     if sizes is not None and not isinstance(sizes, dict):
         return None
+    items = [*(sizes or {}).items(), *dim_sizes.items()]
     for _, n in items:
         if type(n) is not int and not (type(n) is tuple and all(type(c) is int for c in n)):
             return None
@@ -475,7 +475,6 @@ class Sizing(CallSizes):
         """Whether the plans at ``full`` take the template's groups (the same rounds: a
         large exchange goes in two where the template's small sizes went in one, and is
         then planned at its sizes, each element crossing between the grids once)."""
-        check_sizes(self.src, self.dst, full)
         return all(plan_groups(a, b, full) == self._shaped[k] for k, (a, b) in
                    (("forward", (self.src, self.dst)), ("backward", self.adjoint)))
 
