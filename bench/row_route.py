@@ -56,7 +56,7 @@ def _time(params: dict) -> dict:
     import torch
 
     from mimo_fx import Grid, Layout
-    from mimo_fx.compiled.rows import RowSizing
+    from mimo_fx.compiled.row_sizing import RowSizing
 
     enc = Layout(Grid(tp=2, dp=4), "(dp t) h", ragged="dp")
     batches = _batches(params["batches"], params["seed"])

@@ -133,7 +133,7 @@ def _gather_size_rows(rank: int, iters: int) -> list:
             "fixed": lambda x=x, b=fixed: b(x),
             "given": lambda x=x, s=s, b=bridge: b(x, b=8, s=s),
             "learned": lambda x=x, b=learning: b(x),
-            "gather": lambda x=x, b=learning, h=h: b._learn(x, {"h": h}, {}),
+            "gather": lambda x=x, b=learning, h=h: b.prepared.gather._learn(x, {"h": h}, {}),
             "bare": bare(fwd, bridge.executor.comm),
         }, iters, 5)
         rows.append((label, {k: v[0] for k, v in times.items()}))

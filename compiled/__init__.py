@@ -21,13 +21,13 @@ from mimo_fx.layout import Layout
 from mimo_fx.plan import size_arguments
 
 from . import live
+from .definition import Definition
 from .executor import CompiledExecutor
 from .groups import live_groups
 from .guard import raise_now
 from .lease import require_world
 from .options import OPTION_NAMES, Options
 from .redistributor import Redistributor, backward, joined
-from .rows import key_of
 
 __all__ = ["Redistributor", "prepare", "redistribute", "destroy", "live_groups",
            "CompiledExecutor", "OPTIONS", "Options", "backward", "joined"]
@@ -51,7 +51,7 @@ def bridge_for(src: Layout, dst: Layout, opts: Options, sizes: dict | None = Non
     # no sizes in the key: the cached bridges take them per call (under torch.compile
     # they may be symbolic, so they could not be a key); a packed layout's batch neither:
     # its structure is the key
-    key = (key_of(src), key_of(dst), opts)
+    key = Definition(src, dst, opts).cache_key
     # the one cache of prepared bridges, in the bridge registry: mimo_fx.redistribute,
     # prepare, DTensor interop and the SPMD process world all take their bridges there
     bridge = live.prepared(key)

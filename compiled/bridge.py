@@ -67,7 +67,9 @@ from .comm import Comm, host_to, note
 from .executor import CompiledExecutor, Numbers
 from .lease import Lease, keep_alive, release_later
 from .p2p import CHECKS, SIZES, Channel, Routed
-from .redistributor import Redistributor, fold_call, placeholder
+from .prepared import placeholder
+from .redistributor import Redistributor
+from .size_gather import fold_call
 from .sizing import flat_sizes
 from .timeouts import cause, wait_time
 
@@ -94,7 +96,7 @@ class Bridge(Redistributor):
         self._batched = bool(self.sizing.batch_of(self.src, self.dst))
         if told and self._batched:
             Redistributor.destroy(self)  # (on every rank: every rank raises)
-            raise MimoFxError(self._context() + "told=True is for box layouts (a row "
+            raise MimoFxError(self.context + "told=True is for box layouts (a row "
                               "bridge's receivers take the batch from their call)")
         # told: each forward's sizes are the senders' to give and the receivers' to
         # learn, from every sender's row (a pipeline's first stage knows its shapes, the
@@ -157,8 +159,8 @@ class Bridge(Redistributor):
         schedule."""
         party = self.party
         if not self._channels:
-            assert self._check_comm is not None
-            comm = self._check_comm
+            assert self.guard.comm is not None
+            comm = self.guard.comm
             return (lambda: self._waited(lambda: comm.all_gather(row, party), kind)
                     .view(len(party), -1)), party, None
         receivers = (self.dst if direction == 0 else self.src).grid.ranks
@@ -185,11 +187,11 @@ class Bridge(Redistributor):
         sending = self.rank in senders
         if sending and missing:
             raise MimoFxError(
-                self._context() + f"rank {self.rank}: a told bridge's senders give every "
+                self.context + f"rank {self.rank}: a told bridge's senders give every "
                 f"call's sizes; this call misses {', '.join(missing)}")
         if not sending and not missing:
             raise MimoFxError(
-                self._context() + f"rank {self.rank}: a told bridge's receivers learn the "
+                self.context + f"rank {self.rank}: a told bridge's receivers learn the "
                 f"sizes from the senders; pass none (this call gives every free size)")
         if self.checked:
             return True  # (every rank's row to every rank: the senders' give the sizes)
@@ -236,7 +238,7 @@ class Bridge(Redistributor):
         except (RuntimeError, MimoFxError) as err:  # a timeout, or a peer gone
             note("fail")
             raise MimoFxError(
-                self._context() + f"rank {self.rank} waited in vain for the other ranks' "
+                self.context + f"rank {self.rank} waited in vain for the other ranks' "
                 f"{'size rows' if kind == SIZES else 'check headers'} "
                 f"({cause(err)}); every rank "
                 f"of both grids makes the same calls in the same order "
@@ -275,7 +277,7 @@ class Bridge(Redistributor):
                 return step()
         except RuntimeError as err:
             raise MimoFxError(
-                self._context() + f"rank {self.rank}: the {('forward', 'backward')[direction]} "
+                self.context + f"rank {self.rank}: the {('forward', 'backward')[direction]} "
                 f"transfer failed ({cause(err)}); every rank of both grids makes the "
                 f"same calls in the same order") from None
 
@@ -404,7 +406,7 @@ class Bridge(Redistributor):
     def _same_sizes(self, rows: torch.Tensor, known: dict, learned: dict,
                     ranks: tuple) -> None:
         if self.sizing.sizes_from(rows, known, ranks) != learned:  # (its own errors name the rank)
-            raise MimoFxError(self._context() + "the receivers' size rows disagree with the "
+            raise MimoFxError(self.context + "the receivers' size rows disagree with the "
                               "sizes the senders learned")
 
     def _backward(self, grad: torch.Tensor | None, after_forward: bool = False) -> Iterator:
@@ -413,7 +415,7 @@ class Bridge(Redistributor):
         forward runs before it in the same call)."""
         varies = self.sizing.varies
         if varies and not self._in_flight and not after_forward:
-            raise MimoFxError(self._context() + f"rank {self.rank}: a backward with no "
+            raise MimoFxError(self.context + f"rank {self.rank}: a backward with no "
                               f"forward waiting for it; every backward follows its forward")
         posted = None
         if self.checked and (self._in_flight or not varies):
@@ -447,14 +449,14 @@ class Bridge(Redistributor):
         half's rows posted before any half waits."""
         self.lease.check()
         if torch.compiler.is_compiling():
-            raise MimoFxError(self._context() + "the imperative send/recv calls run eagerly; "
+            raise MimoFxError(self.context + "the imperative send/recv calls run eagerly; "
                               "compile the stages' compute around them, or call the bridge "
                               "itself (bridge(x)) inside a compiled step")
         if self.rank not in self.party:  # (off a pinned layout's stage: nothing to move)
             for h in halves:
                 if h[1] is not None:
                     raise MimoFxError(
-                        self._context() + f"rank {self.rank} holds no piece of either side "
+                        self.context + f"rank {self.rank} holds no piece of either side "
                         f"but passed a {h[0]} tensor of shape {tuple(h[1].shape)}; pass None "
                         f"there (or skip the call: only the ranks holding pieces take part)")
             return [None] * len(halves)
@@ -463,7 +465,7 @@ class Bridge(Redistributor):
         if frozen:  # (a source tensor that requires grad is refused, as in a call)
             for h in halves:
                 if h[0] == "forward":
-                    self._backward_runs(h[1])
+                    self.prepared.freeze.backward_runs(h[1])
         steps = [self._forward(h[1], h[2], h[3]) if h[0] == "forward"
                  else _nothing() if frozen  # (a frozen source's backward moves nothing)
                  else self._backward(h[1], any(g[0] == "forward" for g in halves[:i]))
@@ -482,13 +484,13 @@ class Bridge(Redistributor):
         """Send this rank's src piece; returns what it receives under dst (often empty).
         A row bridge (a packed layout on a side) takes the call's batch as ``src=`` /
         ``dst=``, as a call of the bridge does; its backward runs at that batch."""
-        return self._calls(("forward", x, sizes, self._layouts(src, dst)))[0]
+        return self._calls(("forward", x, sizes, self.prepared.layouts(src, dst)))[0]
 
     def recv_forward(self, x: torch.Tensor | None = None, sizes: dict | None = None, *,
                      src=None, dst=None) -> torch.Tensor | None:
         """This rank's dst piece, as a leaf that requires grad (a stage input; a frozen
         source's needs none)."""
-        y = self._calls(("forward", x, sizes, self._layouts(src, dst)))[0]
+        y = self._calls(("forward", x, sizes, self.prepared.layouts(src, dst)))[0]
         return self._stage_input(y)
 
     def _stage_input(self, y: torch.Tensor | None) -> torch.Tensor | None:
@@ -519,7 +521,7 @@ class Bridge(Redistributor):
                                    dst=None) -> torch.Tensor | None:
         """Forward ``x``, then receive the gradient of the oldest forward still waiting
         for one (src side of a 1F1B step)."""
-        return self._calls(("forward", x, sizes, self._layouts(src, dst)),
+        return self._calls(("forward", x, sizes, self.prepared.layouts(src, dst)),
                            ("backward", grad))[1]
 
     def send_backward_recv_forward(self, grad: torch.Tensor | None,
@@ -527,7 +529,8 @@ class Bridge(Redistributor):
                                    sizes: dict | None = None, *, src=None,
                                    dst=None) -> torch.Tensor | None:
         """Send ``grad`` back, then receive the next activation (dst side of a 1F1B step)."""
-        y = self._calls(("backward", grad), ("forward", x, sizes, self._layouts(src, dst)))[1]
+        y = self._calls(("backward", grad),
+                        ("forward", x, sizes, self.prepared.layouts(src, dst)))[1]
         return self._stage_input(y)
 
     def flush(self) -> None:

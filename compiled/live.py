@@ -1,18 +1,18 @@
 """The live bridges of this process, by name: the one registry of bridge state.
 
 A bridge's state -- its groups, guard, sizing, call counters, description, its
-source-only results -- lives on the bridge object. Code that meets only a bridge's name
-finds the bridge here: a compiled call (which must reach its bridge through a global,
-see :func:`find`), a compiled graph's size gather (its op takes the name, a
-constant), a collective's completion or failure (its site string begins with the name,
-see :mod:`.timeouts`) and :func:`mimo_fx.joined` (every bridge's source-only results). The bridges
-:func:`mimo_fx.compiled.prepare` makes for the functional API are kept here too, by their
-definition (:func:`prepared`).
+source-only results -- lives on its prepared bridge (:class:`.prepared.Prepared`). Code
+that meets only a bridge's name finds it here: a compiled call (which must reach its
+bridge through a global, see :func:`find`), a compiled graph's size gather (its op takes
+the name, a constant), a collective's completion or failure (its site string begins with
+the name, see :mod:`.timeouts`) and :func:`mimo_fx.joined` (every bridge's source-only
+results). The bridges :func:`mimo_fx.compiled.prepare` makes for the functional API are
+kept here too, by their definition (:func:`prepared`).
 
-Weak: the registry holds a weak reference to each bridge's traced handle (a second
-object sharing the bridge's state, see :func:`.redistributor._traced_handle`); a bridge
-dropped by its caller leaves the registry when it is collected (its finalizer calls
-:func:`forget`), and a new bridge of the same name starts with nothing of the old one's.
+Weak: the registry holds a weak reference to each prepared bridge; one whose handle its
+caller dropped leaves the registry when it is collected (a name given by the caller at
+once: the handle's finalizer calls :func:`forget`), and a new bridge of the same name
+starts with nothing of the old one's.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ __all__ = ["REGISTRY", "register", "forget", "find", "named", "bridges", "prepar
 
 
 class Registry:
-    """The live bridges of this process: by name, a weak reference to each one's traced
-    handle; by definition, the bridges :func:`mimo_fx.compiled.prepare` keeps alive (the
+    """The live bridges of this process: by name, a weak reference to each one's prepared
+    bridge; by definition, the bridges :func:`mimo_fx.compiled.prepare` keeps alive (the
     functional API's, which no caller holds)."""
 
     def __init__(self) -> None:
@@ -39,7 +39,7 @@ BRIDGES = REGISTRY.by_name  # (the name index, read by compiled calls as a globa
 
 
 def register(name: str, handle: Any) -> None:
-    """``handle`` (a bridge's traced handle) is the live bridge called ``name``."""
+    """``handle`` (a prepared bridge) is the live bridge called ``name``."""
     BRIDGES[name] = weakref.ref(handle)
 
 
@@ -52,7 +52,7 @@ def forget(name: str, owner: Any) -> None:
 
 
 def find(name: str) -> Any:
-    """The live bridge called ``name`` (its traced handle), or None. Plain dict and
+    """The live bridge called ``name`` (its prepared bridge), or None. Plain dict and
     weakref reads: a compiled call reaches its bridge through here, a global, so that
     Dynamo keeps the ints it reads from it static."""
     ref = BRIDGES.get(name)
@@ -69,7 +69,7 @@ def named(name: str) -> Any:
 
 
 def bridges() -> list[Any]:
-    """Every live bridge (their traced handles), in the order they were built."""
+    """Every live bridge (their prepared bridges), in the order they were built."""
     # (no generator: joined() reads it under torch.compile, where Dynamo cannot trace one)
     found = [ref() for ref in list(BRIDGES.values())]
     return [b for b in found if b is not None]

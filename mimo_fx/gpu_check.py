@@ -113,7 +113,7 @@ def check_rows(device: torch.device) -> str:
     from threads import EXECUTORS, ThreadComm, _Rendezvous
 
     from mimo_fx import Grid, Layout
-    from mimo_fx.compiled.rows import sizing_for
+    from mimo_fx.compiled.row_sizing import sizing_for
     from mimo_fx.packed import PackedLayout, Packing, pack_shard
     from mimo_fx.testing.devices import Devices
 

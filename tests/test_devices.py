@@ -19,7 +19,7 @@ from threads import run_programs
 
 from mimo_fx import Grid, Layout, plan
 from mimo_fx.compiled import comm, groups, lowering
-from mimo_fx.compiled.rows import RowSizing, sizing_for
+from mimo_fx.compiled.row_sizing import RowSizing, sizing_for
 from mimo_fx.packed import PackedLayout, Packing, pack_shard
 from mimo_fx.plan import backward_plan
 from mimo_fx.reference import shard

@@ -236,7 +236,7 @@ def _joined_in_torch_func(rank: int, size: int) -> dict:
         for step in range(2):
             got = fn(w.clone())
             out[name, step] = bool(torch.allclose(got, want, atol=1e-6)) and \
-                not bridge.source_results_in_transform and bridge.source_result is None
+                not bridge.prepared.kept.in_transform and bridge.prepared.kept.last is None
     bridge.destroy()
     return out
 

@@ -16,7 +16,7 @@ def _observe(rank: int, world: int) -> dict:
     import torch
 
     from mimo_fx.compiled import Redistributor
-    from mimo_fx.compiled.redistributor import LOG
+    from mimo_fx.compiled.prepared import LOG
 
     records: list[str] = []
 

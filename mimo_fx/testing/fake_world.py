@@ -57,7 +57,7 @@ def trace(world: int, fn: Callable[..., Any], *args: Any
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")
 
     from mimo_fx.compiled import comm, live
-    from mimo_fx.compiled import redistributor as bridges
+    from mimo_fx.compiled import prepared as bridges
 
     if dist.is_initialized():
         raise MimoFxError("a fake world runs in a process without a process group; this "
@@ -76,9 +76,10 @@ def trace(world: int, fn: Callable[..., Any], *args: Any
             try:
                 results[rank] = fn(rank, world, *args)
             finally:
-                for handle in live.bridges():
+                for prepared in live.bridges():
+                    bridge = prepared.owner()  # (its handle: a Bridge releases more)
                     with contextlib.suppress(MimoFxError):
-                        handle.destroy()
+                        (prepared if bridge is None else bridge).destroy()
                 dist.destroy_process_group()
             records[rank] = list(comm.MESSAGES.rules)
     finally:
