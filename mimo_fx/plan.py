@@ -40,12 +40,12 @@ True
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, cached_property, lru_cache
 from math import prod
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 from .collective import Collective
 from .errors import MimoFxError
@@ -207,15 +207,7 @@ def plan_groups(src: Layout, dst: Layout, sizes: Mapping[str, Size], *,
     transfer: what every rank needs to create the same process groups in the same
     order while planning only its own part."""
     f = _frame(src, dst, check_sizes(src, dst, sizes), all_to_all)
-    groups: list[tuple[int, ...]] = []
-    if f.reduce_axes:
-        groups += _groups(f.src, f.reduce_axes, None)
-    if f.kind is Collective.ALL_TO_ALL:
-        groups.append(f.union)
-    elif f.kind is Collective.ALL_GATHER and not f.fused:
-        groups += _exchange_gather(f, None).groups
-    if f.gather_axes:
-        groups += _groups(f.dst, f.gather_axes, None)
+    groups = (g for stage in _stages(f) for g in stage.groups())
     return tuple(dict.fromkeys(g for g in groups if len(g) > 1))
 
 
@@ -437,21 +429,43 @@ def _fusable_over(ranks: range, before: Tiling, want: Tiling, dim: str,
 
 
 # -- the steps, for every rank or for one ---------------------------------------------------
+class _Stage(NamedTuple):
+    """One step of the plan, decided: the groups it runs on (all of them, without a
+    transfer: what every rank creates process groups for) and the step itself, for every
+    rank or for one (``step(rank)``)."""
+
+    groups: Callable[[], tuple[tuple[int, ...], ...]]
+    step: Callable[[int | None], Step]
+
+
+def _stages(f: _Frame) -> tuple[_Stage, ...]:
+    """The plan's steps in issue order: each decision written once, for the plan's
+    steps and its process groups alike."""
+    stages: list[_Stage] = []
+    if f.reduce_axes:  # fused: the reduce-scatter's shares are all-gathered in its groups
+        stages.append(_Stage(lambda: _groups(f.src, f.reduce_axes, None),
+                             (lambda r: _all_reduce(f, r)) if f.fused
+                             else (lambda r: _reduce_step(f, r))))
+    if f.kind is Collective.ALL_TO_ALL:
+        stages.append(_Stage(lambda: (f.union,),
+                             lambda r: Exchange(_transfers(f, r), f.union)))
+    elif f.kind is Collective.ALL_GATHER and not f.fused:
+        stages.append(_Stage(lambda: _exchange_gather(f, None).groups,
+                             lambda r: _exchange_gather(f, r)))
+    if f.gather_axes:
+        stages.append(_Stage(lambda: _groups(f.dst, f.gather_axes, None),
+                             lambda r: _phase_two(f, r)))
+    return tuple(stages)
+
+
 def _steps(f: _Frame, rank: int | None) -> tuple[Step, ...]:
     """The plan's steps; with ``rank``, only the groups and transfers it takes part in."""
-    steps: list[Step] = []
-    if f.fused:  # the reduce-scatter's shares are then all-gathered in its groups
-        rs = _reduce_step(f, rank)
-        steps.append(AllReduce(rs.groups, rs.regions, rs.shares))
-    elif f.reduce_axes:
-        steps.append(_reduce_step(f, rank))
-    if f.kind is Collective.ALL_TO_ALL:
-        steps.append(Exchange(_transfers(f, rank), f.union))
-    elif f.kind is Collective.ALL_GATHER and not f.fused:
-        steps.append(_exchange_gather(f, rank))
-    if f.gather_axes:
-        steps.append(_phase_two(f, rank))
-    return tuple(steps)
+    return tuple(stage.step(rank) for stage in _stages(f))
+
+
+def _all_reduce(f: _Frame, rank: int | None) -> AllReduce:
+    rs = _reduce_step(f, rank)
+    return AllReduce(rs.groups, rs.regions, rs.shares)
 
 
 def _groups(layout: Layout, axes: tuple[str, ...], rank: int | None):

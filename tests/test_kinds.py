@@ -6,8 +6,9 @@ A new collective kind is added in exactly the four places of :data:`PLACES`:
 2. ``mimo_fx/steps.py``: its ``Step`` subclass. Setting ``kind`` registers it in
    ``STEPS``; it implements ``rank_groups``, ``restrict``, ``deliveries``, ``pairs`` and
    ``describe`` (``reduction_bound`` and ``summary`` have defaults). The planner's choice
-   of when to emit it (``_steps``, and ``plan_groups`` for the groups) is planning, which
-   no table can supply.
+   of when to emit it (one ``_Stage`` of ``plan._stages``, the groups it runs on beside
+   it, which ``plan_groups`` and the plan's steps both read) is planning, which no table
+   can supply.
 3. ``compiled/lowering.py``: a function registered with ``@_lowers(Collective.X)``.
 4. ``compiled/comm.py``: its ``OPS`` entry (``_comm_op``): the ordered custom op, how a
    comm's arguments become the op's, its fake, its plain tensor math over every member's
