@@ -32,6 +32,9 @@ Two counts, each a property of the code's structure rather than of one spelling:
   constant (a tiling asking which cut it has, where the cut's type should answer).
 - **Docstrings longer than their function**: functions and methods whose docstring has
   more lines than the rest of their body (each listed with its lines).
+- **The bridge handle**: the lines of class ``Redistributor``, the attributes its
+  methods set (``self.x = ...``, by name) and its methods; and every object made to
+  share another's state (an assignment to an ``__dict__``: a twin handle).
 """
 
 from __future__ import annotations
@@ -266,11 +269,33 @@ def long_docstrings(path: Path) -> list[tuple[int, str, int, int]]:
     return out
 
 
+def class_size(path: Path, name: str) -> tuple[int, int, int] | None:
+    """(lines, attributes its methods set, methods) of class ``name`` in ``path``."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            methods = [m for m in node.body
+                       if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            attributes = {t.attr for m in methods for t in ast.walk(m)
+                          if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store)
+                          and isinstance(t.value, ast.Name) and t.value.id == "self"}
+            return (node.end_lineno or node.lineno) - node.lineno + 1, len(attributes), \
+                len(methods)
+    return None
+
+
+def shared_states(path: Path) -> list[int]:
+    """Lines assigning an object's ``__dict__`` (an object sharing another's state)."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Attribute) and t.attr == "__dict__" for t in node.targets)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quiet", action="store_true", help="the counts only")
     args = parser.parse_args(argv)
     state, rows, made, registering, docs, growing, rules = [], [], [], {}, [], [], []
+    handle, twins = None, []
     for path in _files():
         rel = path.relative_to(ROOT).as_posix()
         state += [(rel, line, name) for line, name in module_state(path)]
@@ -281,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             registering[rel] = registered
         docs += [(rel, *found) for found in long_docstrings(path)]
         rules += [(rel, line) for line in rule_branches(path)]
+        handle = handle or class_size(path, "Redistributor")
+        twins += [(rel, line) for line in shared_states(path)]
         if rel not in LAYOUT_MODULES:
             rows += [(rel, line, what) for line, what in row_cases(path)]
     print(f"module-level mutable state: {len(state)} names in "
@@ -293,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(registering)}")
     print(f"cut rules compared with a string: {len(rules)}")
     print(f"functions whose docstring is longer than their body: {len(docs)}")
+    lines, attributes, methods = handle or (0, 0, 0)
+    print(f"Redistributor: {lines} lines, {attributes} attributes, {methods} methods; "
+          f"objects sharing another's state: {len(twins)}")
     if not args.quiet:
         print("\nmodule-level state that only grows (filled, never emptied):")
         for rel, line, name in growing:
@@ -305,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\ncut rules compared with a string:")
         for rel, line in rules:
             print(f"  {rel}:{line}")
+        print("\nobjects sharing another's state:")
+        for rel, line in twins:
+            print(f"  {rel}:{line}  __dict__ = ...")
         print("\nfunctions whose docstring is longer than their body:")
         for rel, line, name, doc, body in docs:
             print(f"  {rel}:{line}  {name}: {doc} docstring lines, {body} of body")

@@ -193,6 +193,15 @@ def test_the_structure_counter_counts_what_it_says(tmp_path):
     rules.write_text("def f(t, rule):\n    if t.rule == 'zigzag' or rule != \"chunk\":\n"
                      "        return 1\n    return t.rule.monotone and t.split == 'chunk'\n")
     assert structure.rule_branches(rules) == [2, 2]
+    handle = tmp_path / "handle.py"
+    handle.write_text("class Redistributor:\n    def __init__(self, a):\n"
+                      "        self.a, self.b = a, 1\n        self.a = 2\n"
+                      "    def f(self):\n        other.c = self.d\n"
+                      "        twin = object.__new__(Redistributor)\n"
+                      "        twin.__dict__ = self.__dict__\n")
+    assert structure.class_size(handle, "Redistributor") == (8, 2, 2)
+    assert structure.class_size(handle, "Bridge") is None
+    assert structure.shared_states(handle) == [8]
 
 
 def test_tests_readme_names_every_module_with_slow_tests():
