@@ -66,8 +66,7 @@ class Comm(ABC):
 
     def start(self, kind: Collective, flat: torch.Tensor, ranks: Ranks,
               out_splits: Splits = (), in_splits: Splits = (), site: str = "") -> Handle:
-        """:meth:`collective`, posted: its output comes from the handle's ``wait()``. A
-        comm that cannot post without waiting runs it here (the default)."""
+        """:meth:`collective`, posted; the handle's ``wait()`` gives its output (default: eager)."""
         return Handle(self.collective(kind, flat, ranks, out_splits, in_splits, site))
 
     def all_gather(self, flat: torch.Tensor, ranks: Ranks) -> torch.Tensor:
@@ -84,8 +83,7 @@ class Comm(ABC):
 
     def all_to_all(self, flat: torch.Tensor, out_splits: Splits, in_splits: Splits,
                    ranks: Ranks) -> torch.Tensor:
-        """Member j gets ``in_splits[j]`` elements of ``flat`` (in member order) and
-        returns what every member sent it, ``out_splits[i]`` from member i."""
+        """Member j gets ``in_splits[j]`` of ``flat``; returns ``out_splits[i]`` from member i."""
         return self.collective(Collective.ALL_TO_ALL, flat, ranks, out_splits, in_splits)
 
 
@@ -362,8 +360,7 @@ def waited(works) -> None:
 
 
 def forget(name: str) -> None:
-    """Forget a destroyed group (the cache would keep it, and its threads and sockets,
-    alive)."""
+    """Forget a destroyed group, so the cache does not keep its threads and sockets alive."""
     MESSAGES.groups.pop(name, None)
 
 
@@ -375,10 +372,7 @@ def forget_world() -> None:
 
 
 def _messages_gather(name: str, device: torch.device) -> bool:
-    """Whether an all-gather on group ``name`` goes as messages: where its backend does
-    not coalesce (gloo, whose all-gather is a ring through its worker thread, about 1.6x
-    the messages' time on 8 processes); a coalescing backend's own all-gather is the
-    faster one (see :func:`coalesces`)."""
+    """Whether an all-gather on ``name`` goes as messages (its backend, gloo, does not coalesce)."""
     return not coalesces(_group(name)[0], device)
 
 

@@ -77,8 +77,7 @@ def _none(t: torch.Tensor) -> bool:
 
 
 def take(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """A :class:`Take`: ``rows`` at ``index`` (an interpreted program's and a
-    straight-line function's, :mod:`.straight`)."""
+    """A :class:`Take`: ``rows`` at ``index`` (interpreted and straight-line programs alike)."""
     # (no rows: its index is empty too, and a compiler cannot index no rows)
     return rows if _none(rows) else rows.index_select(0, index)
 

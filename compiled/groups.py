@@ -189,9 +189,7 @@ POOL = Pool()
 
 
 def settle(timeout: float = 60.0) -> bool:
-    """Wait until destroyed groups are freed (their sockets and threads closed); False if
-    ``timeout`` s passed first. Resource counts (file descriptors, threads) are steady
-    only after it."""
+    """Wait until destroyed groups are freed (resource counts steady after); False on timeout."""
     return POOL.reaper.settle(timeout)
 
 
@@ -212,8 +210,7 @@ def _sync_world() -> None:
 
 
 def created() -> int:
-    """How many process groups the pool has created so far (on NCCL each costs
-    device memory: a lease reports its own)."""
+    """How many process groups the pool has created (on NCCL each costs device memory)."""
     return POOL.created
 
 

@@ -291,8 +291,7 @@ def _format_traced(ctx) -> None:
 
 
 def _guard(bridge: str) -> Guard:
-    """Live bridge ``bridge``'s guard (a compiled graph's ops carry the bridge's name, a
-    string Dynamo never makes symbolic)."""
+    """Live bridge ``bridge``'s guard, by name (a string Dynamo never makes symbolic)."""
     return named(bridge).guard
 
 

@@ -28,10 +28,7 @@ __all__ = ["Lease", "require_world", "keep_alive", "release_later", "release_dro
 Ranks = tuple[int, ...]
 
 def release_later(release: Callable[[], None]) -> None:
-    """Run ``release`` (a dropped owner's) when the next lease is built: a lease whose
-    owner was garbage-collected without being destroyed is released there, not inside
-    the collector (which may run in the middle of creating another group, or of a
-    collective)."""
+    """Run a dropped owner's ``release`` at the next lease's build, not inside the collector."""
     groups.POOL.dropped.append(release)
 
 

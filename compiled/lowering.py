@@ -191,8 +191,7 @@ def _merge(blocks: list[Block], c_order: bool) -> list[Block]:
 
 
 def coalesce(boxes) -> list[Block]:
-    """The wire format of a list of disjoint boxes: consecutive boxes that differ on one
-    dim only are sent as one block (their concatenation along that dim)."""
+    """Disjoint boxes' wire format: consecutive boxes differing on one dim go as one block."""
     return _merge([tuple((iv,) for iv in box) for box in boxes], c_order=False)
 
 
@@ -567,10 +566,7 @@ def _numbers(obj: Any):
 
 
 def at(obj: Any, env) -> Any:
-    """``obj`` (a program or any part of one) with every polynomial evaluated at ``env``:
-    a plain program for one set of sizes (built eagerly; under ``torch.compile`` the
-    executor evaluates the numbers itself, see :class:`~.executor.Numbers`). For many
-    sizes, compile the walk once with :func:`evaluator`."""
+    """``obj`` with every polynomial evaluated at ``env`` (for many sizes: :func:`evaluator`)."""
     return evaluator(obj)(env)
 
 
@@ -578,9 +574,8 @@ _CONST = object()  # an evaluator's answer for a part with no polynomial in it
 
 
 def evaluator(obj: Any) -> Callable[[Any], Any]:
-    """A function ``env -> at(obj, env)`` that visits only the parts of ``obj`` holding a
-    polynomial: an all-to-all's split sizes list every rank of the union, but a rank
-    exchanges with few, so a new size costs what this rank's own numbers cost."""
+    """``env -> at(obj, env)``, visiting only the parts of ``obj`` holding a polynomial (a new
+    size costs this rank's own numbers, not every rank's split sizes)."""
     walk = _walker(obj)
     return (lambda env: obj) if walk is _CONST else walk
 
@@ -640,8 +635,7 @@ def _tuple_walker(base: list, parts: list) -> Callable[[Any], tuple]:
 
 # -- row programs ------------------------------------------------------------------------
 def row_variables(n_ranks: int, features: tuple[str, ...]) -> tuple[tuple, ...]:
-    """A row program's variables: a route's counts (``("n", k)``, in
-    :attr:`mimo_fx.rows.RankRoute.counts` order) and the feature sizes (``("f", d)``)."""
+    """A row program's variables: route counts ``("n", k)`` and feature sizes ``("f", d)``."""
     return (*(("n", k) for k in range(4 * n_ranks + 3)), *(("f", d) for d in features))
 
 

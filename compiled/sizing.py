@@ -88,7 +88,7 @@ def _plain(sizes, dim_sizes: dict) -> tuple | None:
 
 class CallSizes:
     """The one interface a bridge asks about its sizes and programs, whatever its
-    layouts: :class:`Sizing` for boxes, :class:`~.rows.RowSizing` where a side is a row
+    layouts: :class:`Sizing` for boxes, :class:`~.row_sizing.RowSizing` where a side is a row
     layout. ``src``, ``dst``, ``fixed`` (sizes built in), ``free`` (dims a call gives or
     learns), ``union`` (both grids' ranks), ``groups`` (per direction, the groups it
     needs), the programs it was lowered to, and ``context`` (its errors' prefix)."""
@@ -116,20 +116,16 @@ class CallSizes:
 
     @property
     def unbacked(self) -> bool:
-        """Whether a traced call holds tensors of run-time length (a ragged dim's
-        pieces, a row route's index vectors)."""
+        """Whether a traced call holds run-time-length tensors (ragged pieces, row indices)."""
         return bool(getattr(self.src, "ragged", ()) or getattr(self.dst, "ragged", ()))
 
     def programs(self, full: dict, learned: frozenset, x=None, src=None,
                  dst=None) -> Programs:
-        """This rank's :class:`Programs` for a call at ``full`` sizes (``learned``: the
-        dims its size gather learned; ``x``: this rank's src tensor; ``src``/``dst``:
-        the call's batch, where a call brings one)."""
+        """This rank's :class:`Programs` at ``full`` sizes (``learned``: the dims gathered)."""
         raise NotImplementedError
 
     def size_values(self, x) -> list:
-        """This rank's row of the size gather (see :mod:`.learn`), as host values: ints,
-        or SymInts under ``torch.compile``."""
+        """This rank's size-gather row (:mod:`.learn`): ints, or SymInts when compiling."""
         raise NotImplementedError
 
     def size_row(self, x) -> torch.Tensor:
@@ -140,9 +136,7 @@ class CallSizes:
         return int_tensor(self.size_values(x), "cpu")
 
     def sizes_from(self, rows: torch.Tensor | list, known: dict, ranks=None) -> dict:
-        """Every size from the gathered rows of ``ranks`` (default: both grids'; a
-        tensor, or host rows: a one-rank bridge's own), ``known`` first; a bad row
-        raises the same error on every rank."""
+        """Every size from ``rows`` of ``ranks``, ``known`` first; a bad row raises on all ranks."""
         raise NotImplementedError
 
     def shape(self, side: str, rank: int, full: dict) -> tuple | None:
@@ -157,13 +151,11 @@ class CallSizes:
         return local_shape(layout, Tiling.of(layout, self.src.dims, full), rank)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
-        """A call's result from its forward program's output: that output itself (a row
-        bridge into cut features keeps its slices: :meth:`.rows.RowSizing.finish`)."""
+        """The forward output as the call's result (rows: :meth:`.row_sizing.RowSizing.finish`)."""
         return y
 
     def summary(self) -> list[str]:
-        """What the debug log says of the bridge's programs when it is built, a line
-        each (each starts with ``": "`` or ``" "`` after the bridge's label)."""
+        """The debug log's lines on the bridge's programs (each starts ``": "`` or ``" "``)."""
         return []
 
     def forget(self) -> None:
@@ -214,9 +206,7 @@ class CallSizes:
         return tuple(d for d in self.free if d not in given)
 
     def batch_of(self, src, dst) -> dict:
-        """The keywords that give a bridge call the batch of layouts ``src``/``dst``
-        (equal in structure to the bridge's): none, where the layouts are the batch
-        (box layouts; a row bridge passes them, :class:`~.rows.RowSizing`)."""
+        """Keywords giving a call the batch of ``src``/``dst``: none (box layouts are the batch)."""
         return {}
 
     def call_batch(self, src, dst, context: str) -> dict:
@@ -226,8 +216,7 @@ class CallSizes:
                           "moves boxes: build a Redistributor for other layouts")
 
     def batch(self, layouts: dict) -> list[torch.Tensor]:
-        """The data of a call's batch (``layouts``: what it passed as ``src=``/``dst=``),
-        which its size row's fingerprint folds in; empty where layouts carry no batch."""
+        """A call's batch data (its ``src=``/``dst=``) for its size row's fingerprint: empty."""
         return []
 
     def batch_values(self, layouts: dict) -> list[tuple[int, ...]]:
@@ -240,8 +229,7 @@ class CallSizes:
         return bool(self.free)
 
     def gathers_sizes(self, missing: tuple) -> bool:
-        """Whether a call missing ``missing`` sizes gathers size rows (which also
-        check it on every rank)."""
+        """Whether a call missing ``missing`` sizes gathers size rows (checked on every rank)."""
         return bool(missing)
 
 
@@ -320,8 +308,7 @@ class Sizing(CallSizes):
 
     @property
     def granules(self) -> dict[str, int]:
-        """Per free even dim, the sizes one compiled graph serves are multiples of this
-        (empty when the bridge has no template: every size is planned by itself)."""
+        """Per free even dim, the size step one compiled graph serves (empty without a template)."""
         return dict(self.template.granules) if self.template else {}
 
     @property
@@ -472,9 +459,8 @@ class Sizing(CallSizes):
         return progs
 
     def _template_shaped(self, full: dict) -> bool:
-        """Whether the plans at ``full`` take the template's groups (the same rounds: a
-        large exchange goes in two where the template's small sizes went in one, and is
-        then planned at its sizes, each element crossing between the grids once)."""
+        """Whether the plans at ``full`` take the template's groups (a large exchange may take two
+        rounds where the template's took one; it is then planned at its own sizes)."""
         return all(plan_groups(a, b, full) == self._shaped[k] for k, (a, b) in
                    (("forward", (self.src, self.dst)), ("backward", self.adjoint)))
 
@@ -542,12 +528,10 @@ def read_sizes(values: list, spec: str) -> dict:
 
 @torch.compiler.assume_constant_result
 def _programs_for(bridge: str, key: tuple) -> tuple[Any, Any]:
-    """A bridge's plain programs for sizes its template does not serve: computed while
-    tracing (a constant of the graph, which Dynamo then guards on these sizes). Sizes
-    the layouts refuse raise the eager call's error (Dynamo would wrap a plain one as
-    an internal error). They come without straight-line functions (copies, where the
-    template's own came back): a function read from a constant of the graph has no
-    source Dynamo could guard it by, so these are interpreted."""
+    """A bridge's plain programs for sizes its template does not serve, computed while tracing
+    (a graph constant Dynamo guards on these sizes); refused sizes raise the eager error as a
+    :class:`TracedError`. They have no straight-line functions: one read from a graph constant
+    has no source Dynamo could guard it by, so these are interpreted."""
     try:
         fwd, bwd = named(bridge).sizing.programs_at(key)
     except MimoFxError as err:
@@ -556,8 +540,7 @@ def _programs_for(bridge: str, key: tuple) -> tuple[Any, Any]:
 
 
 def _check(ok, message: str) -> None:
-    """A run-time check under ``torch.compile`` with a fixed message (the message of
-    ``torch._check`` must not close over traced values)."""
+    """``torch._check`` with a fixed message (its message must not close over traced values)."""
     torch._check(ok, lambda: message)
 
 

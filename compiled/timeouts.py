@@ -76,8 +76,7 @@ def wait_time() -> str:
 
 
 def cause(err: BaseException) -> str:
-    """A runtime error in one line, for a message that explains it (gloo and NCCL
-    errors run to many lines)."""
+    """A runtime error in one line (gloo and NCCL errors run to many)."""
     return f"{err.__class__.__name__}: {str(err).splitlines()[0][:200]}"
 
 
@@ -93,14 +92,12 @@ def _bridge(site_: str):
 
 
 def site(name: str, direction: str, index: int, ranks: tuple[int, ...]) -> str:
-    """The site of op ``index`` of bridge ``name``'s ``direction`` program, over
-    ``ranks`` (a string: a constant under ``torch.compile``)."""
+    """The site of op ``index`` of bridge ``name``'s ``direction`` program over ``ranks``, a str."""
     return at(name, direction, index, ",".join(map(str, ranks)))
 
 
 def at(name: str, direction: str, index: int, ranks_text: str) -> str:
-    """:func:`site`, its ranks given as text (an op's ``ranks_text``: what a traced
-    call formats, with no join for Dynamo to trace)."""
+    """:func:`site` with its ranks as text (a traced call's: no join for Dynamo to trace)."""
     return f"{name}|{direction}|{index}|{ranks_text}"
 
 

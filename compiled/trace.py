@@ -86,9 +86,8 @@ def _group_ranks() -> dict[str, tuple[int, ...]]:
 
 
 def _kind(name: str) -> Collective | str:
-    """The collective a record names (its own name, or one :data:`.comm.OPS` lists for
-    it), or torch's name for any other (a send, a barrier). gloo records a
-    reduce-scatter as the all-reduce it emulates it with."""
+    """The collective a record names (itself, or per :data:`.comm.OPS`), else torch's name (a
+    send, a barrier); gloo records a reduce-scatter as the all-reduce it emulates it with."""
     kind = name.split(":", 1)[-1]
     return next((k for k, op in OPS.items() if kind == k.value or kind in op.recorded), kind)
 

@@ -57,8 +57,7 @@ def step_matrix(p: Plan, step: Step) -> dict[tuple[int, int], int]:
 
 
 def transfer_matrix(p: Plan) -> dict[tuple[int, int], int]:
-    """``{(sender, receiver): bytes}`` over all steps of ``p``; pairs with no traffic absent
-    (a row plan: its forward all-to-all)."""
+    """Nonzero ``{(sender, receiver): bytes}`` over ``p``'s steps (row plans: the forward)."""
     return _Account(p).matrix()
 
 

@@ -253,9 +253,7 @@ class Layout:
 
     @property
     def structure(self) -> Layout:
-        """What a bridge for this layout is built for: a box layout itself (a
-        :class:`~mimo_fx.packed.PackedLayout`'s is its structure without its batch, so
-        one bridge serves every batch)."""
+        """What a bridge for this layout is built for: itself (a packed one's drops its batch)."""
         return self
 
     # -- printing ------------------------------------------------------------------------

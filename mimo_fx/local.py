@@ -179,9 +179,7 @@ def local_indices(layout: Layout, rank: int, dim: str, size: Size) -> list[int]:
 
 
 def int_tensor(values: Sequence[Any], device) -> torch.Tensor:
-    """An int64 vector of ``values`` (sizes: ints, or SymInts under ``torch.compile``).
-    Built as a sum with a zeros tensor: a tensor made from constants alone would be
-    constant-folded by the compiler, which would then run the op it feeds (a
-    collective, a row route) while tracing."""
+    """An int64 vector of ``values`` (ints, or SymInts under ``torch.compile``), a sum with
+    zeros so the compiler cannot constant-fold it and run the op it feeds while tracing."""
     const = torch.tensor(list(values), dtype=torch.int64, device=device)
     return torch.zeros(len(values), dtype=torch.int64, device=device) + const

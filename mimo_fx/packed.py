@@ -636,13 +636,11 @@ class PackedLayout:
         return rows if len(rows) == 1 else ()
 
     def sizes_shown(self, learn_shapes, learn_features) -> dict:
-        """The sizes a gather of the holders' local shapes shows: the features only
-        (``learn_features()``; its rows are its batch's)."""
+        """What a gather of the holders' local shapes shows: the features (``learn_features()``)."""
         return learn_features()
 
     def for_call(self, layout: PackedLayout) -> PackedLayout:
-        """The side of a call that brings ``layout`` (a batch of this structure): that
-        batch."""
+        """The side of a call that brings ``layout`` (a batch of this structure): that batch."""
         return layout
 
     def batch(self) -> list[torch.Tensor]:
@@ -731,8 +729,7 @@ def _check_tokens(tokens: object, total: int) -> tuple[int, ...]:
 
 
 def is_layout(value: object) -> bool:
-    """Whether ``value`` is a layout the entry points take, of either kind: a
-    :class:`~mimo_fx.layout.Layout` (boxes) or a :class:`PackedLayout` (rows)."""
+    """Whether ``value`` is a :class:`~mimo_fx.layout.Layout` or a :class:`PackedLayout`."""
     return isinstance(value, Layout | PackedLayout)
 
 

@@ -112,8 +112,7 @@ class Sample:
 
 
 def encode_samples(samples: Sequence[Sample]) -> list[int]:
-    """A loader's samples as ints (for an all-gather): the count, then per sample its
-    image count, its text runs and its images' tokens.
+    """Samples as ints to all-gather: the count, then each one's image count, text runs, images.
 
     >>> encode_samples([Sample((2, 1), (8,)), Sample()])
     [2, 1, 2, 1, 8, 0, 0]
@@ -202,9 +201,7 @@ class Placement:
 
     # -- the bridges ---------------------------------------------------------------------
     def patches(self, pattern: str = "t f") -> tuple[PackedLayout, PackedLayout]:
-        """Image patches from their loader to the encoder rank encoding their image: src
-        each loader's image rows (its images in order), dst the encoder's (each group
-        its images in image order, no padding; every axis but dp replicates)."""
+        """Image patch rows from each loader to its images' encoder (image order, no padding)."""
         return self._loader(pattern, lambda s: s.images), self._encoder_rows(pattern)
 
     def embeddings(self, pattern: str = "t h") -> tuple[PackedLayout, PackedLayout]:

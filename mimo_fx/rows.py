@@ -491,11 +491,9 @@ def _check_held(ranks: Ints, dsts: tuple[Ints, ...], holders: list[list[int]]) -
 
 # -- the row side of a layout ------------------------------------------------------------
 def row_side(layout) -> Any:
-    """``layout`` as one side of a row plan: the one place that asks which kind of layout
-    it is. A :class:`~mimo_fx.packed.PackedLayout` is its own row side (it is given row
-    by row); a box layout is seen through :class:`BoxRows`. Both answer the same
-    questions (:class:`BoxRows` lists them), so nothing that plans, sizes or runs a row
-    plan asks the kind again."""
+    """``layout`` as one side of a row plan, the one place that asks its kind: a
+    :class:`~mimo_fx.packed.PackedLayout` is its own row side, a box layout is seen through
+    :class:`BoxRows` (which lists the questions both answer)."""
     from .packed import PackedLayout
 
     return layout if isinstance(layout, PackedLayout) else BoxRows(layout)
@@ -512,8 +510,7 @@ def is_row_pair(src, dst) -> bool:
 
 
 def row_dims(src, dst) -> tuple[str, ...]:
-    """The dims a row plan between ``src`` and ``dst`` flattens into rows: those of the
-    side given row by row (src's if both are); () for two box layouts."""
+    """The dims a row plan flattens into rows: the row side's (src's if both); () for two boxes."""
     return row_side(src).row_dims or row_side(dst).row_dims
 
 
@@ -541,8 +538,7 @@ class BoxRows:
         check_box_side(self.layout, rows)
 
     def count_rows(self, sizes: dict, rows: tuple[str, ...]) -> dict:
-        """``sizes`` with what the side's own rows say of the row dims: nothing here (its
-        row sizes are given or learned)."""
+        """``sizes`` as they are: a box side's row sizes are given or learned."""
         return sizes
 
     def implied(self, rows: tuple[str, ...]) -> tuple[str, ...]:
@@ -550,13 +546,11 @@ class BoxRows:
         return ()
 
     def sizes_shown(self, learn_shapes, learn_features) -> dict:
-        """The sizes a gather of the holders' local shapes shows: every dim, read from
-        the box shapes (``learn_shapes()``)."""
+        """What a gather of the holders' local shapes shows: every dim (``learn_shapes()``)."""
         return learn_shapes()
 
     def for_call(self, layout) -> BoxRows:
-        """The side of a call that brings ``layout``: itself (a box layout's batch is
-        its row sizes, not the layout)."""
+        """The side of a call that brings ``layout``: itself (its batch is its row sizes)."""
         return self
 
     def batch(self) -> list[torch.Tensor]:
@@ -572,13 +566,11 @@ class BoxRows:
         return tuple(full.get(d) for d in rows)
 
     def batch_data(self, flat: list) -> torch.Tensor:
-        """A call's batch as one int64 vector: its row sizes, flattened (``flat``: ints,
-        or SymInts under ``torch.compile``; see :func:`~mimo_fx.local.int_tensor`)."""
+        """A call's batch as one int64 vector: its row sizes ``flat`` (ints, or SymInts)."""
         return int_tensor(flat, "cpu")
 
     def from_batch(self, values: list[int], sizes: dict) -> tuple[Any, dict]:
-        """The call's layout and row sizes from :meth:`batch_data`'s ints (``sizes``:
-        them read back as sizes)."""
+        """The call's layout and row sizes from :meth:`batch_data`'s ints, read as ``sizes``."""
         return self.layout, sizes
 
 

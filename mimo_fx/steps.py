@@ -120,8 +120,7 @@ class Step(ABC):
             yield rank, sent[rank], recv[rank]
 
     def reduction_bound(self) -> Iterator[tuple[int, int]]:
-        """``(rank, elements)``: the bandwidth-optimal volume of its reduction per member
-        (none unless it reduces)."""
+        """``(rank, elements)``: each member's bandwidth-optimal reduction volume, if it reduces."""
         return iter(())
 
     @abstractmethod
@@ -370,8 +369,7 @@ class _Schedule:
 
     @property
     def source(self) -> Holdings:
-        """What each rank holds under src, before any reduction (:attr:`hold` is after
-        it)."""
+        """What each rank holds under src before any reduction (:attr:`hold` is after it)."""
         return self.hold if self.before is None else self.before
 
 
@@ -481,14 +479,12 @@ class Plan(_Schedule):
         return self.dst.holders
 
     def load(self, rank: int, local: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
-        """``rank``'s src piece as ``(box, values)`` pieces in the plan's dims (its
-        tiling's boxes)."""
+        """``rank``'s src piece as ``(box, values)`` pieces of its tiling, in the plan's dims."""
         return self.source.load(self.src, self.dims, rank, local)
 
     def assemble(self, rank: int, store: list[tuple[Box, torch.Tensor]],
                  like: torch.Tensor) -> torch.Tensor:
-        """``rank``'s dst piece from the boxes it holds (on ``like``'s device: CPU, or
-        ``meta`` for shapes only)."""
+        """``rank``'s dst piece from the boxes it holds, on ``like``'s device (CPU, or ``meta``)."""
         return self.need.assemble(self.dst, self.dims, rank, store, like)
 
     def for_rank(self, rank: int) -> RankPlan:

@@ -72,11 +72,8 @@ class _Redistribute(torch.autograd.Function):
 
 
 def _read(values: tuple) -> None:
-    """Read every size value in the forward being traced. The backward's program reads
-    them too, and Dynamo passes what a backward reads from outside as outputs of the
-    forward's graph: one the forward never read is no node of that graph, and tracing
-    fails ("Argument ... does not belong to this Graph"; e.g. a sender's own count, read
-    only by the program that receives its gradient)."""
+    """Read every size value in the traced forward: Dynamo makes what the backward reads
+    outputs of the forward's graph, and fails on one the forward never read."""
     for v in values:
         v + 1  # (an expression Dynamo cannot fold away)
 

@@ -169,9 +169,8 @@ def _run(fwd: Plan, bwd: Plan, pieces: Mapping[int, torch.Tensor]) -> dict[int, 
 
 def run_rows(routing: RowRouting, pieces: Mapping[int, torch.Tensor]
              ) -> dict[int, torch.Tensor]:
-    """Every rank's dst piece from every rank's src piece under a row routing (a rank
-    of it missing from ``pieces`` must hold no src rows): its two plans
-    (:func:`~mimo_fx.plan.row_plans`) through the custom vjp, so differentiable.
+    """Every rank's dst piece from every rank's src piece under a row routing, differentiably
+    (:func:`~mimo_fx.plan.row_plans`); a rank missing from ``pieces`` must hold no src rows.
 
     >>> from mimo_fx.rows import plan_rows
     >>> p = plan_rows({0: [0, 1], 1: [2, 3]}, {0: [3, 0, 3], 1: [1, -1]}, n_rows=4)

@@ -356,8 +356,7 @@ def chunk_counts(size, parts: int | tuple[int, ...]) -> tuple:
 
 
 def _free_dims(ndim: int, taken: Sequence) -> tuple[str, ...]:
-    """Tensor dim names ``d0, d1, ...``, or ``d_0, ...`` (and so on) where a mesh dim
-    already has one of them: the names of a move are the library's own choice.
+    """Tensor dim names ``d0, d1, ...``, or ``d_0, ...`` (and so on) clear of the mesh's.
 
     >>> _free_dims(2, ("dp", "d0"))
     ('d_0', 'd_1')
@@ -432,11 +431,9 @@ def _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked,
 
 
 def _global_shape(x) -> tuple:
-    """``x``'s global shape. Under ``torch.compile`` read from its spec: Dynamo does not
-    guard the shape of a DTensor whose local tensor is DTensor's empty placeholder (a
-    rank off its mesh), so a graph traced there would keep the shape it was traced at
-    and pair other shapes' data with it; the spec's shape it guards (and makes dynamic
-    when it changes), on every rank."""
+    """``x``'s global shape; under ``torch.compile`` its spec's, which Dynamo guards on every
+    rank (it does not guard the shape of a DTensor holding the empty off-mesh placeholder, so
+    a graph traced there would keep its traced shape)."""
     if torch.compiler.is_compiling():
         return tuple(x._spec.tensor_meta.shape)
     return tuple(x.shape)
@@ -444,9 +441,7 @@ def _global_shape(x) -> tuple:
 
 def prepare(x, dst_mesh, dst_placements: Sequence, *, grad_partial=(), comm_dtype=None,
             checked: bool = False, frozen: bool | None = None) -> None:
-    """Create, on every rank of both meshes, the process groups
-    :func:`redistribute_dtensor` needs, so that it traces under ``torch.compile`` (one
-    eager call does the same)."""
+    """Create, on every rank of both meshes, the groups :func:`redistribute_dtensor` traces with."""
     _bridge_of(x, dst_mesh, dst_placements, grad_partial, comm_dtype, checked, frozen)
 
 

@@ -288,9 +288,8 @@ class BridgeCommunicator:
                               f"{side} grid's ranks")
 
     def _off(self, grid, call: str, side: str) -> bool:
-        """Raise as Megatron does where this rank is not in ``grid``; whether it is off
-        the boundary stage, where a call moves nothing and returns None at once (its
-        ranks may make the calls, or skip them as Megatron's schedules do)."""
+        """Raise as Megatron does where this rank is not in ``grid``; whether it is off the
+        boundary stage, where a call moves nothing and returns None at once."""
         self._check(grid, call, side)
         return self.current_rank not in self._bridge.party
 

@@ -94,8 +94,7 @@ def fsdp_sums(module: nn.Module) -> nn.Module:
 
 
 def embedding_groups(grid: Grid) -> tuple[Ranks, ...]:
-    """Every pipeline's (first stage, last stage) ranks, ordered by first rank; a
-    pipeline of one stage gives a group of one rank."""
+    """Every pipeline's (first stage, last stage) ranks, by first rank; one stage: one rank."""
     return tuple(sorted({embedding_group(grid, r) for r in grid.ranks}))
 
 
@@ -466,8 +465,7 @@ class TiedGrads:
         return tuple(b for b, _ in self._sums.buckets)
 
     def sync(self) -> None:
-        """Sum the tied gradients of the first and last stage (``None`` counts as zeros);
-        afterwards both stages hold the same gradient."""
+        """Sum the first and last stages' tied gradients (``None`` as zeros) into both."""
         self._sums.run()
 
     def broadcast_from_first_stage(self) -> None:
