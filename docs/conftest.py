@@ -1,8 +1,8 @@
 """pytest collects docs/ for doctests (pyproject.toml): the llava example imports
 transformers, an optional extra (``pip install -e ".[hf]"``), so without it the example
-is not collected (tests/test_llava.py skips its run and says why). The Megatron example
+is not collected (tests/mimo_layer/test_llava.py skips its run and says why). The Megatron example
 imports Megatron's ``HyperCommGrid`` (megatron-core is never installed:
-tests/test_megatron_interop.py loads it from the release's wheel and runs the example)."""
+tests/interop/test_megatron_interop.py loads it from the release's wheel and runs the example)."""
 
 import importlib.util
 

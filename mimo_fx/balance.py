@@ -12,7 +12,7 @@ The lower bound on the busiest bin is ``max(sum(costs) / bins, max(costs))``
 (:func:`lower_bound`): no assignment beats it. :func:`assign` is LPT (the costliest item
 first, each to the least-loaded bin) followed by a bounded pass of moves and swaps out of
 the busiest bin; on skewed costs with a few items per bin or more it lands within a few
-percent of the bound (``bench/balance.py``, ``tests/test_balance.py``). Without a
+percent of the bound (``bench/balance.py``, ``tests/core/test_balance.py``). Without a
 capacity it is never worse than LPT, and LPT never worse than 4/3 of the optimum.
 
 Costs come from the work an item makes: :func:`image_costs` (an encoder's work grows

@@ -3,7 +3,7 @@
 It sits below the planner (``mimo_fx.exchange`` classifies an exchange with it, and
 ``mimo_fx.plan`` re-exports it) so that every layer names a kind the same way. A kind's
 meaning lives where it is interpreted, one table per layer, each keyed by this enum (see
-``tests/test_kinds.py`` for the list).
+``tests/core/test_kinds.py`` for the list).
 
 >>> Collective.ALL_GATHER.value, str(Collective.ALL_TO_ALL)
 ('all_gather', 'all_to_all')

@@ -14,7 +14,7 @@ GPUs present:
   calls of the fixed bridge under ``torch.cuda.set_sync_debug_mode("error")`` and
   every bridge's reads of device tensors counted;
 - two or more: also the table's sample on an NCCL world of one process per GPU
-  (``tests/test_compiled.py``'s), and with eight, ``bench/megatron_compare.py
+  (``tests/backends/test_compiled.py``'s), and with eight, ``bench/megatron_compare.py
   --backend nccl --quick``.
 
 One GPU cannot run a multi-rank NCCL world; the rehearsal on the CPU runs the same code
@@ -256,7 +256,7 @@ def checks(gpus: int, device: torch.device) -> list[tuple[str, Callable[[], str]
     if gpus >= 2:
         out.append(("NCCL table sample", lambda: _command(
             [sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-             "tests/test_compiled.py::test_table_sample_on_nccl"], 300)))
+             "tests/backends/test_compiled.py::test_table_sample_on_nccl"], 300)))
     if gpus >= 8:
         out.append(("Megatron side by side", lambda: _command(
             [sys.executable, "bench/megatron_compare.py", "--backend", "nccl", "--quick"],

@@ -13,7 +13,7 @@ test so that their waits overlap the other tests' work (a module's ``START_EARLY
 tests' sizes are small enough for one), for tests of the two-round structure.
 
 ``touched_modules``: the library modules the run touched (:mod:`mimo_fx.testing.touched`)
-for ``tests/test_touched.py``, which runs last.
+for ``tests/project/test_touched.py``, which runs last.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def pytest_collection_finish(session):
 
 def pytest_collection_modifyitems(items):
     """The touched-modules check last, after everything it accounts for."""
-    last = [item for item in items if item.nodeid.startswith("tests/test_touched.py")]
+    last = [item for item in items if item.nodeid.startswith("tests/project/test_touched.py")]
     items[:] = [item for item in items if item not in last] + last
 
 

@@ -4,7 +4,7 @@ every rank, the encoder on DP4 and the LLM on CP2 x DP2, all on ranks 0-3.
     python docs/examples/balanced_loader.py
 
 docs/balance.md shows the lines between the ``# --`` markers verbatim;
-tests/test_balance.py runs ``step`` and checks what it returns against full-tensor math.
+tests/core/test_balance.py runs ``step`` and checks what it returns against full-tensor math.
 """
 
 from __future__ import annotations

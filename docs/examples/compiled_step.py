@@ -4,7 +4,7 @@
     python docs/examples/compiled_step.py
 
 The README shows the lines between the ``# --`` markers verbatim, a whole program but
-for its launch; tests/test_compiled_step.py runs ``train`` and checks the losses and the
+for its launch; tests/backends/test_compiled_step.py runs ``train`` and checks the losses and the
 gradients against full-tensor math, as ``__main__`` does for a smaller check.
 """
 

@@ -3,7 +3,7 @@ mesh on ranks 0-3 to an LLM's cp mesh on ranks 4-7; the gradient comes back.
 
     python docs/examples/dtensor_mesh.py
 
-docs/dtensor.md shows lines of ``move`` verbatim; tests/test_dtensor.py runs it and
+docs/dtensor.md shows lines of ``move`` verbatim; tests/interop/test_dtensor.py runs it and
 checks the pieces and the gradient against full-tensor math.
 """
 

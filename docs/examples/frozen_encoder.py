@@ -9,7 +9,7 @@ front, and also spares its backward's process groups).
     python docs/examples/frozen_encoder.py [inductor|aot_eager|eager]
 
 docs/compiled.md shows the lines between the ``# --`` markers verbatim;
-tests/test_frozen.py runs ``train`` on 4 gloo processes and checks it against the
+tests/mimo_layer/test_frozen.py runs ``train`` on 4 gloo processes and checks it against the
 undistributed model.
 """
 

@@ -10,7 +10,7 @@ own token count (2-D ``[T, H]`` tensors).
 
     torchrun --nproc-per-node 8 docs/examples/megatron_switch.py [--dest-cp 2 | --variable-tokens]
 
-(``HyperCommGrid`` is Megatron's; tests/test_megatron_interop.py runs this file as written,
+(``HyperCommGrid`` is Megatron's; tests/interop/test_megatron_interop.py runs this file as written,
 with the import changed back to Megatron's, and with each flag.)
 """
 

@@ -4,7 +4,7 @@ processes: an encoder on DP2 (ranks 0-1), an LLM on CP2 (ranks 2-3).
     python docs/examples/packed_images.py
 
 The README and docs/packed.md show lines between the ``# --`` markers verbatim;
-tests/test_rows.py runs ``step`` and checks what it returns against full-tensor math.
+tests/core/test_rows.py runs ``step`` and checks what it returns against full-tensor math.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ same ranks).
 
     python docs/examples/variable_sizes.py
 
-docs/sizes.md shows lines of ``train`` verbatim; tests/test_variable_sizes.py runs it
+docs/sizes.md shows lines of ``train`` verbatim; tests/backends/test_variable_sizes.py runs it
 (aot_eager), counts its graphs and checks its losses against full-tensor math.
 """
 

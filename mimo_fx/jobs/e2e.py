@@ -197,7 +197,7 @@ def _train(rank: int, run: Run) -> dict:
         if fn is not grad_step and run.variant in LENGTHS:
             # the lengths vary: their dims dynamic from the first compile, one graph for
             # every length (unmarked, Dynamo compiles a static graph first, then this one:
-            # its automatic dynamic shapes are tested in tests/test_variable_sizes.py)
+            # its automatic dynamic shapes are tested in tests/backends/test_variable_sizes.py)
             other = pieces(*_data(run.cfg, k + 1, run.variant))
             for a, b in zip(args, other):
                 for d in range(a.dim() if a is not None else 0):

@@ -22,7 +22,7 @@ from mimo_fx import Grid, Layout
 pytestmark = pytest.mark.slow  # spawned worlds, long: not in the fast subset (tests/README.md)
 
 B, H, M = 4, 4, 4  # batch rows, hidden, micro-batches
-EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "bridge_1f1b.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "bridge_1f1b.py"
 
 
 def _data(stages: int, micro: int):

@@ -615,7 +615,7 @@ def _example():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "docs" / "examples" / "packed_images.py"
+    path = Path(__file__).resolve().parents[2] / "docs" / "examples" / "packed_images.py"
     spec = importlib.util.spec_from_file_location("packed_images", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -239,7 +239,7 @@ def _outside_the_template(rank: int, enc: Grid, llm: Grid) -> dict:
     return out
 
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "variable_sizes.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "variable_sizes.py"
 
 
 def _example():

@@ -12,7 +12,7 @@ import torch
 
 from mimo_fx import gpu_check
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks what a machine without CUDA says")

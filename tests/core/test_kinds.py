@@ -44,7 +44,7 @@ from mimo_fx.reference import redistribute as reference_redistribute
 from mimo_fx.reference import shard
 from mimo_fx.reference.executor import ReferenceExecutor
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # the four places a new kind is added: where, and whether the kind is there
 PLACES = {

@@ -30,7 +30,7 @@ from mimo_fx import MimoFxError
 from mimo_fx.testing import megatron_core
 
 B, S, H = 8, 8, 3
-EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "megatron_switch.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "megatron_switch.py"
 NAMES = ["tp", "cp", "pp", "dp"]
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "DESIGN.md"
 PYPROJECT = ROOT / "pyproject.toml"
 OPTIONAL = ("__init__.py", "__main__.py")  # a row only when they define what is worth naming

@@ -433,7 +433,7 @@ def test_a_message_whose_posting_fails_names_its_peer(monkeypatch, coalescing):
 
 
 # -- 8. the examples check themselves; the DTensor doc and docstring agree ------------------
-ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "docs" / "examples").glob("*.py")),

@@ -503,7 +503,7 @@ def _example():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "docs" / "examples" / "balanced_loader.py"
+    path = Path(__file__).resolve().parents[2] / "docs" / "examples" / "balanced_loader.py"
     spec = importlib.util.spec_from_file_location("balanced_loader", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 EXAMPLES = sorted((ROOT / "docs" / "examples").glob("*.py"))
@@ -69,7 +69,7 @@ def test_every_block_is_a_doctest_or_part_of_a_tested_example(where, block):
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_is_run_by_a_test(example):
-    tests = [p for p in (ROOT / "tests").glob("test_*.py") if p.name != Path(__file__).name]
+    tests = [p for p in (ROOT / "tests").rglob("test_*.py") if p.name != Path(__file__).name]
     assert any(example.name in p.read_text() for p in tests), \
         f"docs/examples/{example.name} is named in no test file"
 

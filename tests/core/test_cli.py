@@ -302,7 +302,7 @@ def _documented_commands() -> list[list[str]]:
     """The command lines of this module's docstring and of docs/layouts.md."""
     from pathlib import Path
 
-    text = cli.__doc__ + (Path(__file__).parent.parent / "docs" / "layouts.md").read_text()
+    text = cli.__doc__ + (Path(__file__).parents[2] / "docs" / "layouts.md").read_text()
     joined = re.sub(r"\\\n\s*", " ", text)
     return [shlex.split(line.strip()[len("python -m mimo_fx "):], comments=True)
             for line in joined.splitlines() if line.strip().startswith("python -m mimo_fx ")]

@@ -581,7 +581,7 @@ def _world(rank: int, world: int, names: list[str]) -> dict:
     return out
 
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "dtensor_mesh.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "dtensor_mesh.py"
 
 
 def _example():

@@ -15,7 +15,7 @@ from mimo_fx import Grid, Layout
 from mimo_fx.reference import shard
 from mimo_fx.testing import run_world
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "compiled_step.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "compiled_step.py"
 pytestmark = pytest.mark.slow  # a 4-process world and a compile: about 20 s on 2 cores
 STEPS = 3
 

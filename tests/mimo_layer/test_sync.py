@@ -43,7 +43,7 @@ from mimo_fx.mimo import (
 WORLD = 8
 B, S, FEAT, H = 8, 12, 5, 6      # batch, sequence, encoder features, hidden
 TOL = 1e-6
-EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "sync_example.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "sync_example.py"
 
 
 class Encoder(nn.Module):

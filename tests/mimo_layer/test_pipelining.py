@@ -27,7 +27,7 @@ from mimo_fx import Grid, Layout, MimoFxError
 B, H, OUT = 8, 6, 5          # batch rows, hidden width, output width
 DT = torch.float64
 TOL = 1e-6
-EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "pipelining_stage.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "pipelining_stage.py"
 
 ENC = Grid(tp=2)                 # ranks 0-1
 LLM = Grid(dp=2, offset=2)       # ranks 2-3

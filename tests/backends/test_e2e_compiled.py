@@ -13,10 +13,10 @@ micro-batch, one graph per stage. The packed variant draws a new batch every ste
 images per sample, varying text, packed over CP2 per sequence with zigzag) and runs
 eager here, the images delivered by a redistribute into a packed layout at least CP
 times below the seed scheme's bytes: its model and its bridges are compiled in the
-balanced variant (``tests/test_balance.py``: aot_eager, ``loss.backward()``, one graph
+balanced variant (``tests/core/test_balance.py``: aot_eager, ``loss.backward()``, one graph
 for every batch on 8 ranks), whose step is the packed step with two more bridges, and
-packed bridges under aot_eager and inductor in ``tests/test_rows.py`` and the balanced
-placement's under inductor in ``tests/test_balance.py`` (4 ranks): a compile on 8
+packed bridges under aot_eager and inductor in ``tests/core/test_rows.py`` and the balanced
+placement's under inductor in ``tests/core/test_balance.py`` (4 ranks): a compile on 8
 processes sharing 2 cores costs up to a minute, paid once per model.
 """
 

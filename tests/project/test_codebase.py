@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"mimo_fx": ROOT / "mimo_fx", "mimo_fx.mimo": ROOT / "mimo_fx" / "mimo",
             "mimo_fx.jobs": ROOT / "mimo_fx" / "jobs",
             "mimo_fx.interop": ROOT / "mimo_fx" / "interop",
@@ -212,7 +212,7 @@ def test_tests_readme_names_every_module_with_slow_tests():
     text = (ROOT / "tests" / "README.md").read_text()
     section = text.split("## The fast subset", 1)[1].split("\n## ", 1)[0]
     marked = re.compile(r"^\s*@pytest\.mark\.slow|^pytestmark = .*pytest\.mark\.slow", re.M)
-    slow = sorted(p.name for p in (ROOT / "tests").glob("test_*.py")
+    slow = sorted(p.name for p in (ROOT / "tests").rglob("test_*.py")
                   if marked.search(p.read_text()))
     assert [name for name in slow if f"`{name}`" not in section] == []
     helpers = sorted(p.name for p in (ROOT / "tests").glob("*.py")

@@ -23,7 +23,7 @@ import torch
 from mimo_fx import Grid, Layout, MimoFxError
 from mimo_fx.reference import shard
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "frozen_encoder.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "frozen_encoder.py"
 ENC, LAYER = Grid(dp=2), Grid(tp=2, offset=2)
 SRC, DST = Layout(ENC, "(dp b) h"), Layout(LAYER, "b (tp h)")
 SIZES = {"b": 4, "h": 6}
