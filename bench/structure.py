@@ -45,7 +45,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LIBRARY = [ROOT / "mimo_fx", ROOT / "compiled", ROOT / "reference"]
+LIBRARY = [ROOT / "mimo_fx", ROOT / "compiled", ROOT / "reference", ROOT / "mimo",
+           ROOT / "interop"]  # (jobs and test utilities aside)
 LAYOUT_MODULES = {"mimo_fx/layout.py", "mimo_fx/packed.py"}
 CONTAINERS = {"dict", "list", "set", "deque", "Counter", "defaultdict", "OrderedDict",
               "WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}

@@ -465,8 +465,10 @@ def _import_root(tree: str, folder: str) -> str:
     for entry in sorted(os.listdir(source)):
         if entry != "__pycache__":
             os.symlink(os.path.join(source, entry), os.path.join(pkg, entry))
-    for sub in ("compiled", "reference"):
-        os.symlink(os.path.join(tree, sub), os.path.join(pkg, sub))
+    for sub in ("compiled", "reference", "mimo", "interop", "jobs", "testing"):
+        # (a folder of its own since the layers' folders moved out of mimo_fx/)
+        if os.path.isdir(os.path.join(tree, sub)) and not os.path.exists(os.path.join(pkg, sub)):
+            os.symlink(os.path.join(tree, sub), os.path.join(pkg, sub))
     return folder
 
 
@@ -477,7 +479,8 @@ def _commit(tree: str) -> str:
 
     line = git("log", "-1", "--format=%h %s") or "(not a git checkout)"
     line = line if len(line) <= 80 else line[:77].rsplit(" ", 1)[0] + " ..."
-    dirty = git("status", "--porcelain", "--", "mimo_fx", "compiled", "reference")
+    dirty = git("status", "--porcelain", "--", "mimo_fx", "compiled", "reference", "mimo",
+                "interop", "jobs", "testing")
     return line + (" + uncommitted changes in the package" if dirty else "")
 
 

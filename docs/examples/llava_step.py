@@ -6,9 +6,9 @@ them by mimo_fx. The number of images per sample changes every step, zero includ
     python docs/examples/llava_step.py [aot_eager|inductor|eager]
 
 Needs transformers (``pip install -e ".[hf]"``). docs/llava.md shows lines between the
-``# --`` markers verbatim; tests/mimo_layer/test_llava.py runs ``train`` through the main job's llava
-variant (``python -m mimo_fx.jobs --variant llava``, mimo_fx/jobs/llava.py), which checks
-every gradient and the parameters against the same model trained on one process.
+``# --`` markers verbatim; tests/mimo_layer/test_llava.py runs ``train`` through the main
+job's llava variant (``python -m mimo_fx.jobs --variant llava``, jobs/llava.py), which
+checks every gradient and the parameters against the same model trained on one process.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def test_no_library_module_spells_a_kind_as_a_string():
     mimo_fx/collective.py only (``Collective.X.value`` where a name is needed)."""
     names = {kind.value for kind in Collective}
     found = []
-    for folder in ("mimo_fx", "compiled", "reference"):
+    for folder in ("mimo_fx", "compiled", "reference", "mimo", "interop", "jobs", "testing"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             if path == ROOT / "mimo_fx" / "collective.py":
                 continue

@@ -1,4 +1,4 @@
-"""The main job's llava variant (mimo_fx/jobs/llava.py running docs/examples/llava_step.py):
+"""The main job's llava variant (jobs/llava.py running docs/examples/llava_step.py):
 a tiny Hugging Face LLaVA, its vision tower and projector on FSDP2 (ranks 0-1), its
 language model on DTensor TP (ranks 2-3), trained 3 SGD steps compiled with aot_eager on
 4 gloo processes while the images per sample change every step (an encoder rank with

@@ -26,6 +26,9 @@ __all__ = ["ENV", "IN_WORLDS", "called", "imported", "library", "library_name", 
 ENV = "MIMO_FX_TRACK_CALLS"
 # what the processes of every world this process spawned reported: {"imported": {...},
 # "called": {...}}
+# the library's packages, each in a folder of its own (pyproject.toml's package-dir)
+PACKAGES = ("mimo_fx", "mimo_fx.compiled", "mimo_fx.reference", "mimo_fx.mimo",
+            "mimo_fx.interop", "mimo_fx.jobs", "mimo_fx.testing")
 IN_WORLDS: dict[str, set[str]] = {"imported": set(), "called": set()}
 _CALLED: set[str] = set()
 
@@ -33,12 +36,10 @@ _CALLED: set[str] = set()
 @cache
 def _roots() -> dict[str, str]:
     """Each library directory (resolved) -> its name in a module's path."""
-    import mimo_fx
-    import mimo_fx.compiled
-    import mimo_fx.reference
+    import importlib
 
-    return {os.path.realpath(p): Path(p).name for m in (mimo_fx, mimo_fx.compiled,
-                                                         mimo_fx.reference) for p in m.__path__}
+    packages = [importlib.import_module(name) for name in PACKAGES]
+    return {os.path.realpath(p): Path(p).name for m in packages for p in m.__path__}
 
 
 @cache

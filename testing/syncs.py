@@ -31,8 +31,9 @@ import torch
 __all__ = ["HostReads", "Read", "READS"]
 
 READS = ("item", "tolist", "__int__", "__bool__", "__float__", "__index__")
-_ROOT = Path(__file__).resolve().parents[2]
-_LIBRARY = tuple(str(_ROOT / folder) for folder in ("mimo_fx", "compiled", "reference"))
+_ROOT = Path(__file__).resolve().parents[1]
+_LIBRARY = tuple(str(_ROOT / folder) for folder in ("mimo_fx", "compiled", "reference", "mimo",
+                                                     "interop", "jobs", "testing"))
 _HERE = str(Path(__file__).resolve())
 
 

@@ -41,7 +41,7 @@ from .report import allreduce, step_line, step_row
 
 __all__ = ["EXAMPLE", "INSTALL", "available", "example", "reference", "train_llava"]
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "llava_step.py"
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "llava_step.py"
 INSTALL = 'pip install -e ".[hf]"  (or: pip install transformers)'
 WORLD = 4  # the ranks the model runs on
 
