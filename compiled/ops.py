@@ -1,8 +1,8 @@
 """Every ``mimo_fx::`` custom op is registered here, on the library's one fragment.
 
 The modules that own an op (the collectives in :mod:`.comm`, the size gather in
-:mod:`.redistributor`, the checks in :mod:`.guard`, the row route in :mod:`.row_sizing`) give
-:func:`define` its schema, its implementation and its fake (what tracing sees), and use
+:mod:`.size_gather`, the checks in :mod:`.guard`, the row route in :mod:`.row_sizing`)
+give :func:`define` its schema, its implementation and its fake (what tracing sees), and use
 the op it returns; none of them touches ``torch.library`` itself. An op is defined once
 per process: a module executed twice (e.g. imported under a second name by a doctest
 run) gets the op already there.
