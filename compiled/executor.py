@@ -130,30 +130,6 @@ def _unpacked(flat: torch.Tensor, op: Op, num: Numbers) -> list:
     return out
 
 
-def _count(moved: list[int], op: Op, flat: torch.Tensor, num: Numbers) -> None:
-    """Add the bytes this rank sends and receives in ``op`` to ``moved`` (an all-to-all's
-    split to itself stays; a reduction counts as a ring's)."""
-    import torch.distributed as dist
-
-    from mimo_fx.collective import Collective
-
-    n, size = len(op.ranks), flat.element_size()
-    me = op.ranks.index(dist.get_rank()) if dist.is_initialized() and \
-        dist.get_rank() in op.ranks else -1
-    if op.kind is Collective.ALL_TO_ALL:
-        ins, outs = num.all(op.in_splits), num.all(op.out_splits)
-        sent = sum(ins) - (ins[me] if me >= 0 else 0)
-        got = sum(outs) - (outs[me] if me >= 0 else 0)
-    elif op.kind is Collective.ALL_GATHER:
-        sent = got = flat.numel() * (n - 1)
-    elif op.kind is Collective.REDUCE_SCATTER:
-        sent = got = flat.numel() * (n - 1) // n
-    else:  # all-reduce
-        sent = got = 2 * flat.numel() * (n - 1) // n
-    moved[0] += int(sent) * size
-    moved[1] += int(got) * size
-
-
 class CompiledExecutor:
     """Runs programs for one rank through ``comm``; ``tensors`` is always ``(local,)``.
 
@@ -178,10 +154,6 @@ class CompiledExecutor:
         self._named: dict[tuple[int, str], tuple[Program, list[str]]] = {}  # see _sites
         # checked mode's check of a backward call: (cotangent, program, numbers) -> ok
         self.check: Callable[..., bool] | None = None
-        # bytes this rank sent and received, counted eagerly while ``count`` is set (the
-        # per-call log of MIMO_FX_DEBUG=1)
-        self.count = False
-        self.moved = [0, 0]
 
     def _sites(self, program: Program, direction: str) -> list[str]:
         """The names of ``program``'s collectives for :mod:`.timeouts` (an eager run's:
@@ -298,8 +270,6 @@ class Started:
         op = program.ops[i]
         site = ex._sites(program, self.direction)[i]
         flat = _pack(self.entries, op, ex.wires[self.direction], self.num, self.inputs)
-        if ex.count and not torch.compiler.is_compiling():
-            _count(ex.moved, op, flat, self.num)
         self.pending = (i, ex.comms[self.direction].start(
             op.kind, flat, op.ranks, self.num.all(op.out_splits),
             self.num.all(op.in_splits), site))

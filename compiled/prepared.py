@@ -118,6 +118,7 @@ class Prepared:
         self._require_compiler()
         _log_plans(self)
         self._warned_func = False
+        self.logs_calls = LOG.isEnabledFor(logging.DEBUG)  # (MIMO_FX_DEBUG=1: see _log_plans)
         self._still_last: tuple | None = None  # (see _still)
         # nothing to move either way: a call returns its input (a view of it)
         self.moves_nothing = (not self.sizing.varies and self.sizing.fwd_program.identity
@@ -179,7 +180,7 @@ class Prepared:
         # (its first call's ranks may meet: see Freeze)
         grad = freeze.backward_runs(x)
         full, learned = self.gather.sizes(x, sizes, dim_sizes, layouts)
-        if self.executor.count and not torch.compiler.is_compiling():
+        if self.logs_calls and not torch.compiler.is_compiling():
             self.last_sizes = full  # (MIMO_FX_DEBUG=1: logged)
         try:
             fwd, bwd, env, index, digest = sizing.programs(full, learned, x, **layouts)
@@ -225,9 +226,7 @@ class Prepared:
 
     def logged(self, x, sizes, dim_sizes: dict, layouts: dict) -> torch.Tensor | None:
         """An eager call, logged at DEBUG: its sizes (given, learned or fixed) and the
-        bytes its forward sent and received on this rank."""
-        moved = self.executor.moved
-        moved[:] = [0, 0]
+        bytes its forward plan sends and receives on this rank."""
         y = self.call(x, sizes, dim_sizes, layouts)
         dims = self.src.dims
         shown = ", ".join(f"{d}={list(n) if isinstance(n, tuple) else n}"
@@ -236,10 +235,20 @@ class Prepared:
                                                              dims.index(kv[0])
                                                              if kv[0] in dims else 0)))
         n = timeouts.calls(self.name, "forward")
+        sent, got = self._traffic(getattr(self, "last_sizes", {}), layouts)
         LOG.debug("rank %d: %s call %d: sizes %s; forward sends %s, receives %s", self.rank,
-                  self.label, n, shown or "none", format_bytes(moved[0]),
-                  format_bytes(moved[1]))
+                  self.label, n, shown or "none", format_bytes(sent), format_bytes(got))
         return y
+
+    def _traffic(self, full: dict, layouts: dict) -> tuple[int, int]:
+        """The bytes this rank's part of the forward plan at ``full`` sizes sends and
+        receives: the plan's own count (each step kind's ``pairs``), in the wire's dtype."""
+        from mimo_fx.plan import plan
+
+        wire = self.options.wires()["forward"] or self.options.dtype
+        whole = plan(layouts.get("src", self.src), layouts.get("dst", self.dst), full, wire)
+        moved = [(s, g) for step in whole.steps for r, s, g in step.traffic() if r == self.rank]
+        return sum(s for s, _ in moved) * wire.itemsize, sum(g for _, g in moved) * wire.itemsize
 
     def _still(self, fwd, bwd) -> bool:
         """Whether an eager call of free sizes moves nothing either way at these sizes
@@ -334,7 +343,6 @@ def _log_plans(bridge: Prepared) -> None:
         _debug_logging()
     if not LOG.isEnabledFor(logging.DEBUG):
         return
-    bridge.executor.count = True  # every call logs its sizes and bytes (Prepared.logged)
     LOG.debug("rank %d: %s: %d process group(s) created, %d taken from device meshes",
               bridge.rank, bridge.label, bridge.lease.created, bridge.lease.reused)
     for line in bridge.sizing.summary():

@@ -137,7 +137,7 @@ class Redistributor:
         if not p.involved:
             return None
         layouts = p.layouts(src, dst)
-        if p.executor.count:  # MIMO_FX_DEBUG=1: this call's sizes and bytes
+        if p.logs_calls:  # MIMO_FX_DEBUG=1: this call's sizes and bytes
             return p.logged(x, sizes, dim_sizes, layouts)
         return p.call(x, sizes, dim_sizes, layouts)
 
