@@ -165,6 +165,12 @@ class Prepared:
         with torch.profiler.record_function(self.label):
             return self._call(x, sizes, dim_sizes, layouts, post)
 
+    def traced(self, x, sizes, dim_sizes: dict, src, dst) -> torch.Tensor | None:
+        """The call under ``torch.compile`` (no profiler span: the trace has none)."""
+        if not self.involved:
+            return None
+        return self._call(x, sizes, dim_sizes, self.layouts(src, dst), False)
+
     def _call(self, x, sizes, dim_sizes, layouts: dict, post: bool) -> Any:
         sizing, freeze = self.sizing, self.freeze
         # (not compiling asked first: a trace must not read decided before at_call)

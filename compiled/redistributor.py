@@ -129,9 +129,7 @@ class Redistributor:
             if p is None or p is not self.prepared:  # (destroyed)
                 raise_now(f"{self.lease.what} was destroyed; build a new one")
             assert p is not None
-            if not p.involved:
-                return None
-            return p.call(x, sizes, dim_sizes, p.layouts(src, dst))
+            return p.traced(x, sizes, dim_sizes, src, dst)
         p = self.prepared
         p.lease.check()
         if not p.involved:
