@@ -117,8 +117,8 @@ def result(variant: str, backend: str, rows: list[dict], mine: dict[str, torch.T
 
     from mimo_fx.compiled import destroy
 
-    take = piece or (lambda name, t: t)
-    param_diff = max((float((mine[n].detach() - take(n, full[n])).abs().max())
+    piece_of = piece or (lambda name, t: t)
+    param_diff = max((float((mine[n].detach() - piece_of(n, full[n])).abs().max())
                       for n in mine), default=0.0)
     param_diff, compile_s, graphs = allreduce(
         [param_diff, compile_s, counters["stats"]["unique_graphs"]], dist.ReduceOp.MAX)

@@ -35,7 +35,7 @@ from .regions import (
 )
 
 __all__ = ["to_canonical", "from_canonical", "local_shape", "box_slices", "infer_sizes",
-           "take", "assemble", "Store", "local_indices",
+           "read_box", "assemble", "Store", "local_indices",
            "relative_slices", "int_tensor"]
 
 
@@ -155,7 +155,7 @@ def _local_extent(layout: Layout, factor, size: Size, rank: int) -> int:
 Store = list[tuple[Box, torch.Tensor]]
 
 
-def take(store: Store, box: Box) -> torch.Tensor:
+def read_box(store: Store, box: Box) -> torch.Tensor:
     """The values of ``box`` from stored ``(box, tensor)`` pieces: a view of the one piece
     containing it, else a copy assembled from several."""
     for held, tensor in store:

@@ -17,7 +17,7 @@ import torch
 
 from mimo_fx.errors import MimoFxError
 from mimo_fx.layout import Layout, axis_names
-from mimo_fx.local import Store, infer_sizes, take
+from mimo_fx.local import Store, infer_sizes, read_box
 from mimo_fx.plan import (
     Plan,
     Step,
@@ -57,11 +57,11 @@ class ReferenceExecutor:
         incoming: dict[int, Store] = {}
         for receiver, box, senders in step.deliveries():
             if len(senders) == 1:
-                value = take(stores[senders[0]], box)
+                value = read_box(stores[senders[0]], box)
             else:  # summed once per box and group (an all-reduce delivers it to each)
                 key = (box, senders)
                 if key not in sums:
-                    sums[key] = torch.stack([take(stores[r], box) for r in senders]).sum(0)
+                    sums[key] = torch.stack([read_box(stores[r], box) for r in senders]).sum(0)
                 value = sums[key]
             incoming.setdefault(receiver, []).append((box, value))
         if step.reduces:
