@@ -245,9 +245,9 @@ class RowRouting:
     @property
     def dim_name(self) -> str:
         """Its plans' one dim: the rows (the row dims flattened, as ``(b s)``)."""
-        if self.src is None or self.dst is None:
+        if self.src is None:  # (a routing of bare row maps: plan_rows)
             return "rows"
-        dims = self.rows or row_dims(self.src, self.dst)
+        dims = self.rows  # (plan_layouts sets src, dst and rows together)
         return dims[0] if len(dims) == 1 else f"({' '.join(dims)})"
 
     # -- cost ---------------------------------------------------------------------------

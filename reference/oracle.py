@@ -22,7 +22,9 @@ consecutive segments: ``shard(x, layout, t=(3, 0, 5, 2))``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from math import prod
+from typing import NamedTuple
 
 import einops
 import torch
@@ -143,11 +145,13 @@ def shard(x: torch.Tensor, layout: Layout, *, rank: int | None = None,
     """
     if rank is not None and not layout.holds(rank):
         raise MimoFxError(f"shard: rank {rank} holds no piece of {layout.describe()!r}")
-    if is_row_layout(layout):  # (a rank's rows are its own: one rank costs one rank)
-        pieces = shard_rows(x, layout)
-        return pieces if rank is None else pieces[rank]
-    if rank is not None:
-        return shard(x, _One(layout, rank), **counts)[rank]  # type: ignore[arg-type]
+    cut = _cut(layout)
+    if rank is not None:  # (one rank's piece costs one rank's work)
+        return cut.shard(x, _One(layout, rank), counts)[rank]
+    return cut.shard(x, layout, counts)
+
+
+def _shard_boxes(x: torch.Tensor, layout, counts: dict) -> dict[int, torch.Tensor]:
     if x.dim() != len(layout.dims):
         raise MimoFxError(f"shard: global tensor has {x.dim()} dims {tuple(x.shape)} but "
                           f"layout {layout.pattern!r} names {len(layout.dims)} dims "
@@ -174,8 +178,11 @@ def unshard(
     Partial axes are summed. Sizes the local shapes cannot tell are keyword arguments.
     A packed layout's rows are put back in place (its token dims flattened).
     """
-    if is_row_layout(layout):
-        return unshard_rows(pieces, layout, atol=atol)
+    return _cut(layout).unshard(pieces, layout, atol, sizes)
+
+
+def _unshard_boxes(pieces: dict[int, torch.Tensor], layout, atol: float, sizes: dict
+                   ) -> torch.Tensor:
     missing = [r for r in layout.holders if r not in pieces]
     extra = [r for r in pieces if r not in layout.holders]
     if missing or extra:
@@ -211,6 +218,23 @@ def unshard(
     return out
 
 
+class _Cut(NamedTuple):
+    """How the oracle cuts one kind of layout: ``shard(x, layout, counts)`` gives every
+    holder's piece, ``unshard(pieces, layout, atol, sizes)`` the global tensor."""
+
+    shard: Callable[..., dict[int, torch.Tensor]]
+    unshard: Callable[..., torch.Tensor]
+
+
+def _cut(layout) -> _Cut:
+    """The oracle's cut for ``layout``, the one place it asks a layout's kind: one given
+    row by row (a packed batch) is cut by its rows, any other by its boxes."""
+    if is_row_layout(layout):
+        return _Cut(lambda x, lay, _: shard_rows(x, lay),
+                    lambda pieces, lay, atol, _: unshard_rows(pieces, lay, atol=atol))
+    return _Cut(_shard_boxes, _unshard_boxes)
+
+
 class _One:
     """A layout that answers ``holders`` with one rank (the rest it takes from the
     layout): :func:`shard` of one rank's piece computes no other."""
@@ -236,7 +260,7 @@ def shard_rows(x: torch.Tensor, layout) -> dict[int, torch.Tensor]:
                           f"flattened)")
     padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])  # row n: the zero row
     out = {}
-    for rank in layout.holders:
+    for rank in getattr(layout, "_only", layout.holders):
         rows = _rows_of(layout, rank)
         out[rank] = padded[torch.where(rows >= 0, rows, layout.n_rows).to(x.device)]
     return out
