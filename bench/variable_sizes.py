@@ -14,7 +14,7 @@ at a fixed length.
    (TP2xDP4 -> TP2xCP2xDP2) called eagerly by a bridge built with every size (fixed),
    with ``b``, ``s`` free and given in every call (the same sizes: gathered at the
    first call only, then the data alone; target: at most 1.2x the fixed bridge) and
-   with them learned (one all-gather of int64 shape rows first), at 16 KiB and 1 MiB of
+   with them learned (one all-gather of int64 size records first), at 16 KiB and 1 MiB of
    src per rank; beside them the size gather alone and the bare data transfer. Median wall
    time per call, interleaved.
 3. **A compiled training loop** (8 gloo processes): ``tanh(x @ w1)`` on the encoder
@@ -64,7 +64,7 @@ def _cpu(fn, repeats: int = 3) -> float:
     return best
 
 
-def _new_size_row(name: str, build, n: int) -> list:
+def _new_size_record(name: str, build, n: int) -> list:
     case = build(n)
     src, dst, sizes = case.src, case.dst, dict(case.sizes)
     sizes["s"] = 64  # a small template size: its plans are the same shape at any s
@@ -107,7 +107,7 @@ def new_size_table(worlds) -> str:
         for n in worlds:
             if "pipelined" in name and n < 16:
                 continue
-            rows.append(_new_size_row(name.split(" TP")[0], build, n))
+            rows.append(_new_size_record(name.split(" TP")[0], build, n))
             print(f"  new size: {rows[-1][0]} at {n} ranks", file=sys.stderr, flush=True)
     return tabulate(rows, headers=["bridge", "ranks", "template (b, s free)",
                                    "new size ms (at)", "re-plan rank ms",
@@ -116,7 +116,7 @@ def new_size_table(worlds) -> str:
 
 
 # -- 2. the size gather, 3. the compiled loop (8 gloo processes) ----------------------
-def _gather_size_rows(rank: int, iters: int) -> list:
+def _gather_size_records(rank: int, iters: int) -> list:
     from common import bare
 
     from mimo_fx.compiled import Redistributor
@@ -184,7 +184,7 @@ def _world(rank: int, world: int, quick: bool) -> dict:
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1
-    out = {"gather": _gather_size_rows(rank, 20 if quick else 60)}
+    out = {"gather": _gather_size_records(rank, 20 if quick else 60)}
     steps, warm = (10, 14) if quick else (40, 21)
     for backend in ("aot_eager",) if quick else ("aot_eager", "inductor"):
         out[backend] = _loop_times(rank, backend, steps, warm, 512)

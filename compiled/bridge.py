@@ -30,17 +30,17 @@ first, then its receives).
 Sizes: on a bridge with free dims each forward learns its sizes (the receivers too: this
 is the pipelined bridge's size gather, also point-to-point) or takes them from the call,
 and each backward runs at the sizes of the oldest forward whose backward has not run
-yet. Unchecked, only the senders' size rows travel: gathered at the first sender, which
+yet. Unchecked, only the senders' size records travel: gathered at the first sender, which
 sends the table on to every other rank (two messages for most ranks); a receiver checks
-its own call against it (a row bridge's calls bring their batch: there every rank's row
+its own call against it (a row bridge's calls bring their batch: there every rank's record
 goes to every rank, as checked, so a receiver that passed another batch raises on the
 senders too). Built with ``told=True`` the senders give every call's sizes and the
 receivers none (as a pipeline's first stage knows its shapes and the next does not,
-Megatron's shape exchange): each sender posts its row straight to each receiver, which
-learns them in one hop, and no sender waits. Checked, a call posts every row it sends to
-every rank taking part (size rows, or check headers) before it waits for anything; the
-receiving side waits for every row, the sending side only for its own grid's (a stage
-never waits for one that may be behind it) and checks the receivers' rows as they
+Megatron's shape exchange): each sender posts its record straight to each receiver, which
+learns them in one hop, and no sender waits. Checked, a call posts every record it sends to
+every rank taking part (size records, or check headers) before it waits for anything; the
+receiving side waits for every record, the sending side only for its own grid's (a stage
+never waits for one that may be behind it) and checks the receivers' records as they
 arrive: a mistake still raises on every rank of both grids, on the senders at a later
 call of the bridge or at :meth:`Bridge.flush`.
 
@@ -75,11 +75,11 @@ from .timeouts import cause, wait_time
 
 __all__ = ["Bridge"]
 
-# the most calls whose rows from the other grid are checked later (a sender checks the
-# receivers' rows as they arrive); beyond it a call first waits for the oldest's, rows
+# the most calls whose records from the other grid are checked later (a sender checks the
+# receivers' records as they arrive); beyond it a call first waits for the oldest's, records
 # their senders posted calls ago, before they waited for anything
 DEFERRED = 16
-RECENT = 8  # the size rows of so many calls a bridge remembers what they gave
+RECENT = 8  # the size records of so many calls a bridge remembers what they gave
 
 
 
@@ -91,7 +91,7 @@ class Bridge(Redistributor):
             raise MimoFxError(f"told={told!r} must be True (the senders give every call's "
                               f"sizes, the receivers none) or False")
         super().__init__(*args, **kwargs)
-        # a bridge whose calls bring their batch (a row bridge): its size rows go to every
+        # a bridge whose calls bring their batch (a row bridge): its size records go to every
         # rank, so a receiver that passed another batch raises on the senders too
         self._batched = bool(self.sizing.batch_of(self.src, self.dst))
         if told and self._batched:
@@ -99,7 +99,7 @@ class Bridge(Redistributor):
             raise MimoFxError(self.context + "told=True is for box layouts (a row "
                               "bridge's receivers take the batch from their call)")
         # told: each forward's sizes are the senders' to give and the receivers' to
-        # learn, from every sender's row (a pipeline's first stage knows its shapes, the
+        # learn, from every sender's record (a pipeline's first stage knows its shapes, the
         # next does not); moot where no size is free
         self.told = told and bool(self.sizing.missing({})) and set(
             self.src.grid.ranks) != set(self.dst.grid.ranks)
@@ -111,10 +111,10 @@ class Bridge(Redistributor):
         self.last_sizes: dict = dict(self.fixed)  # the sizes this rank's last forward moved
         # (sizes, batch) of the forwards awaiting their backward, when these vary by call
         self._in_flight: deque[tuple[dict, dict]] = deque()
-        self._deferred: list = []  # (gather, check): rows checked when they arrive
+        self._deferred: list = []  # (gather, check): records checked when they arrive
         self._failed = False
-        self._recent: dict = {}  # the sizes recent calls' rows gave (see _learned)
-        self._told_row: tuple = (None, None)
+        self._recent: dict = {}  # the sizes recent calls' records gave (see _learned)
+        self._told_record: tuple = (None, None)
         src, dst = tuple(self.src.grid.ranks), tuple(self.dst.grid.ranks)
         # one channel per direction, of this bridge alone (two bridges between the same
         # grids, as interleaved schedules have, never pair each other's messages)
@@ -147,13 +147,13 @@ class Bridge(Redistributor):
         weakref.finalize(self, _dropped, self._channel_lease, self._channels)
 
     # -- one direction ------------------------------------------------------------------
-    def _gather_rows(self, direction: int, row: torch.Tensor, kind: int):
-        """Post this rank's ``row`` to every rank of both grids (over the direction's
-        channel, or the check group on one grid); returns ``(rows, ranks, rest)``: a wait
-        for the rows this rank needs before it moves data, whose ranks they are, and the
-        posted gather whose other rows are checked as they arrive (None: no others).
+    def _gather_records(self, direction: int, record: torch.Tensor, kind: int):
+        """Post this rank's ``record`` to every rank of both grids (over the direction's
+        channel, or the check group on one grid); returns ``(records, ranks, rest)``: a wait
+        for the records this rank needs before it moves data, whose ranks they are, and the
+        posted gather whose other records are checked as they arrive (None: no others).
 
-        A rank receiving in this direction needs every row; a sender only its own grid's
+        A rank receiving in this direction needs every record; a sender only its own grid's
         (sizes come from the senders' shapes): it never waits for a stage that may be
         behind it, which is what keeps checked and learned calls deadlock-free in any
         schedule."""
@@ -161,28 +161,28 @@ class Bridge(Redistributor):
         if not self._channels:
             assert self.guard.comm is not None
             comm = self.guard.comm
-            return (lambda: self._waited(lambda: comm.all_gather(row, party), kind)
+            return (lambda: self._waited(lambda: comm.all_gather(record, party), kind)
                     .view(len(party), -1)), party, None
         receivers = (self.dst if direction == 0 else self.src).grid.ranks
         senders = (self.src if direction == 0 else self.dst).grid.ranks
         if kind == SIZES and not self.checked and not self._batched:
-            return self._rooted_rows(row, self._senders())
+            return self._rooted_records(record, self._senders())
         now = party if self.rank in receivers else tuple(r for r in party if r in senders)
-        # (the rows it waits for in a grouped call of their own: on NCCL a group's
+        # (the records it waits for in a grouped call of their own: on NCCL a group's
         # messages complete together, and the others' senders may be behind)
-        gathered = self._channels[direction].start_gather(row, party, first=now)
+        gathered = self._channels[direction].start_gather(record, party, first=now)
         index = [party.index(r) for r in now]
 
-        def rows() -> torch.Tensor:
+        def records() -> torch.Tensor:
             return self._waited(lambda: gathered.wait(now), kind)[index]
-        return rows, now, (gathered if now != party else None)
+        return records, now, (gathered if now != party else None)
 
     def _told_call(self, missing: tuple, x, full: dict, batch: dict) -> bool:
-        """A told bridge's forward: whether this rank gathers size rows (a receiver;
-        every rank, checked). An unchecked sender posts its own row, the sizes it gives
+        """A told bridge's forward: whether this rank gathers size records (a receiver;
+        every rank, checked). An unchecked sender posts its own record, the sizes it gives
         folded into its fingerprint, to every rank of the union off the senders: a
         receiver learns the sizes from the holders' shapes as always, and senders that
-        told different sizes send different rows, which it refuses. No sender waits."""
+        told different sizes send different records, which it refuses. No sender waits."""
         senders = self._senders()
         sending = self.rank in senders
         if sending and missing:
@@ -194,43 +194,43 @@ class Bridge(Redistributor):
                 self.context + f"rank {self.rank}: a told bridge's receivers learn the "
                 f"sizes from the senders; pass none (this call gives every free size)")
         if self.checked:
-            return True  # (every rank's row to every rank: the senders' give the sizes)
+            return True  # (every rank's record to every rank: the senders' give the sizes)
         if sending:
             key = (tuple(sorted(full.items())), tuple(x.shape))
-            if self._told_row[0] != key:  # (the row of the last sizes told, kept)
+            if self._told_record[0] != key:  # (the record of the last sizes told, kept)
                 values, spec = flat_sizes(full)
-                row = fold_call(self._size_values(x, {}, {}), values, spec, [])
-                self._told_row = (key, host_to(torch.tensor(row, dtype=torch.int64),
+                record = fold_call(self._size_values(x, {}, {}), values, spec, [])
+                self._told_record = (key, host_to(torch.tensor(record, dtype=torch.int64),
                                                self.device))
             self._channels[0].exchange(
-                [(p, self._told_row[1]) for p in self.party if p not in senders], [])
+                [(p, self._told_record[1]) for p in self.party if p not in senders], [])
         return not sending
 
     def _senders(self) -> tuple[int, ...]:
-        """The ranks whose rows give the sizes, in the union's order: the sending grid's
+        """The ranks whose records give the sizes, in the union's order: the sending grid's
         (a rank without a piece says so), a told bridge's src holders."""
         if self.told:
             return tuple(r for r in self.party if self.src.holds(r))
         return tuple(r for r in self.party if r in self.src.grid.ranks)
 
-    def _rooted_rows(self, row: torch.Tensor, senders: tuple[int, ...]):
-        """An unchecked call's size rows: only the senders' (sizes come from their
+    def _rooted_records(self, record: torch.Tensor, senders: tuple[int, ...]):
+        """An unchecked call's size records: only the senders' (sizes come from their
         shapes), gathered at the first sender and sent on whole to every other rank of
-        both grids (:meth:`.p2p.Channel.start_rooted`). A receiver checks its own row
+        both grids (:meth:`.p2p.Channel.start_rooted`). A receiver checks its own record
         against them (that it made the same call, with the same given sizes and batch);
         no sender waits for a receiver. A told bridge's receiver takes every sender's
-        row straight from it. As in :func:`_gather_rows`."""
+        record straight from it. As in :func:`_gather_records`."""
         if self.told:
-            told = self._channels[0].start_receives(row, senders)
+            told = self._channels[0].start_receives(record, senders)
             return (lambda: self._waited(told.wait, SIZES)), senders, None
         gathered = self._waited(
-            lambda: self._channels[0].start_rooted(row, senders, self.party), SIZES)
+            lambda: self._channels[0].start_rooted(record, senders, self.party), SIZES)
         if self.rank in senders:
             return (lambda: self._waited(gathered.wait, SIZES)), senders, None
 
-        def rows() -> torch.Tensor:
-            return torch.cat([self._waited(gathered.wait, SIZES), row.view(1, -1)])
-        return rows, (*senders, self.rank), None
+        def records() -> torch.Tensor:
+            return torch.cat([self._waited(gathered.wait, SIZES), record.view(1, -1)])
+        return records, (*senders, self.rank), None
 
     def _waited(self, wait: Callable, kind: int):
         try:
@@ -239,20 +239,20 @@ class Bridge(Redistributor):
             note("fail")
             raise MimoFxError(
                 self.context + f"rank {self.rank} waited in vain for the other ranks' "
-                f"{'size rows' if kind == SIZES else 'check headers'} "
+                f"{'size records' if kind == SIZES else 'check headers'} "
                 f"({cause(err)}); every rank "
                 f"of both grids makes the same calls in the same order "
                 f"({wait_time()})") from None
 
     def _later(self, rest, check: Callable[[torch.Tensor], None]) -> None:
-        """Check the rest of a gather's rows when they have arrived."""
+        """Check the rest of a gather's records when they have arrived."""
         if rest is not None:
             self._deferred.append((rest, check))
 
     def _settle_checks(self, wait: bool = False) -> None:
-        """Run the deferred checks whose rows arrived (all, waiting, with ``wait``; the
+        """Run the deferred checks whose records arrived (all, waiting, with ``wait``; the
         oldest, waiting, beyond :data:`DEFERRED`: some backends, gloo among them, say a
-        row arrived only once its work was waited for)."""
+        record arrived only once its work was waited for)."""
         keep = []
         old = len(self._deferred) - DEFERRED
         for i, (rest, check) in enumerate(self._deferred):
@@ -284,38 +284,38 @@ class Bridge(Redistributor):
     def _programs(self, full: dict, learned: frozenset, x, batch: dict) -> _Programs:
         return _Programs(self.sizing, full, learned, x, batch)
 
-    def _size_row(self, x, known: dict, batch: dict) -> torch.Tensor:
-        """This rank's size row; a row bridge's fingerprint folds in the sizes given and
+    def _size_record(self, x, known: dict, batch: dict) -> torch.Tensor:
+        """This rank's size record; a row bridge's fingerprint folds in the sizes given and
         the call's batch, so ranks that pass different batches raise, as in a call of
         the bridge itself."""
         return host_to(torch.tensor(self._size_values(x, known, batch), dtype=torch.int64),
                        self.device)
 
     def _size_values(self, x, known: dict, batch: dict) -> list:
-        row = self.sizing.size_values(x)
+        record = self.sizing.size_values(x)
         data = self.sizing.batch_values(batch)
         if data:
             values, spec = flat_sizes(known)
-            fold_call(row, values, spec, data)
-        return row
+            fold_call(record, values, spec, data)
+        return record
 
     def _forward(self, x: torch.Tensor | None, sizes: dict | None, batch: dict) -> Iterator:
-        """A forward in two steps: post its rows (``yield``), then validate ``x`` (this
+        """A forward in two steps: post its records (``yield``), then validate ``x`` (this
         rank's src piece or None) and run the forward program (``yield`` the result).
         ``batch``: a row bridge's layouts for this call (``src=``/``dst=``)."""
         sizing, guard = self.sizing, self.guard
         given = sizing.given(sizes, {})
         full = {**self.fixed, **given}
         missing = sizing.missing(given)
-        gather = sizing.gathers_sizes(missing)  # the size rows also check the call
+        gather = sizing.gathers_sizes(missing)  # the size records also check the call
         if self.told:
             gather = self._told_call(missing, x, full, batch)
         if gather:
-            rows, now, rest = self._gather_rows(0, self._size_row(x, full, batch), SIZES)
+            records, now, rest = self._gather_records(0, self._size_record(x, full, batch), SIZES)
         elif self.checked:
             shape = self._programs(full, frozenset(), x, batch).src_shape
             header, print_ = guard.header(x, "src", shape, full, self._print(full))
-            rows, now, rest = self._gather_rows(0, header, CHECKS)
+            records, now, rest = self._gather_records(0, header, CHECKS)
         guess = self._guess()
         ahead = None  # a receiver's transfer posted at the guessed sizes
         if guess is not None and gather:
@@ -325,11 +325,11 @@ class Bridge(Redistributor):
             self._run_at(guess, batch)  # (what the receivers posted at the guess takes)
         if gather:
             known = full
-            full = self._learned(rows(), known, now)
+            full = self._learned(records(), known, now)
             self._later(rest, lambda got: self._same_sizes(got, known, full, self.party))
         programs = self._programs(full, frozenset(missing), x, batch)
         if self.checked and not gather:
-            guard.verdict(rows(), "src", print_, full, now)
+            guard.verdict(records(), "src", print_, full, now)
             self._later(rest, lambda got: guard.verdict(got, "src", print_, full, self.party))
         else:
             guard.local(x, "src", programs.src_shape, full)
@@ -352,8 +352,8 @@ class Bridge(Redistributor):
     def _guess(self) -> dict | None:
         """The sizes a told call is guessed to move: the last call's, where the two last
         calls moved the same (every rank of both grids guesses alike). A receiver posts
-        its transfer at the guess with the rows' receives, so where the guess holds, the
-        data arrives in the same hop as the rows; where it fails, the senders first send
+        its transfer at the guess with the records' receives, so where the guess holds, the
+        data arrives in the same hop as the records; where it fails, the senders first send
         what the guess posted (zeros, dropped), then the call at its sizes."""
         if not self._speculates or len(self._seen) < 2 or self._seen[0] != self._seen[1]:
             return None
@@ -379,11 +379,11 @@ class Bridge(Redistributor):
              else torch.zeros(shape, dtype=self.dtype, device=self.device))
         self._run(0, programs.fwd, x, programs.env, programs.index)
 
-    def _learned(self, rows: torch.Tensor, known: dict, ranks: tuple) -> dict:
-        """The sizes ``rows`` give (:meth:`.sizing.CallSizes.sizes_from`), read once: a
-        call whose rows and given sizes equal a recent call's takes its sizes (the rows
+    def _learned(self, records: torch.Tensor, known: dict, ranks: tuple) -> dict:
+        """The sizes ``records`` give (:meth:`.sizing.CallSizes.sizes_from`), read once: a
+        call whose records and given sizes equal a recent call's takes its sizes (the records
         are all the learning reads), the last few kept."""
-        listed = rows.view(len(ranks), -1).tolist()
+        listed = records.view(len(ranks), -1).tolist()
         key = (tuple(map(tuple, listed)), tuple(sorted(known.items())), ranks)
         full = self._recent.get(key)
         if full is None:
@@ -403,10 +403,11 @@ class Bridge(Redistributor):
     def _placeholder(self, layout) -> torch.Tensor:
         return placeholder(len(layout.local_dims), self.dtype, self.device)
 
-    def _same_sizes(self, rows: torch.Tensor, known: dict, learned: dict,
+    def _same_sizes(self, records: torch.Tensor, known: dict, learned: dict,
                     ranks: tuple) -> None:
-        if self.sizing.sizes_from(rows, known, ranks) != learned:  # (its own errors name the rank)
-            raise MimoFxError(self.context + "the receivers' size rows disagree with the "
+        # (sizes_from's own errors name the rank)
+        if self.sizing.sizes_from(records, known, ranks) != learned:
+            raise MimoFxError(self.context + "the receivers' size records disagree with the "
                               "sizes the senders learned")
 
     def _backward(self, grad: torch.Tensor | None, after_forward: bool = False) -> Iterator:
@@ -426,8 +427,8 @@ class Bridge(Redistributor):
             posted = self._backward_header(grad, (full, batch))
         programs = self._programs(full, frozenset(), None, batch)
         if posted is not None:
-            (rows, now, rest), print_ = posted
-            self.guard.verdict(rows(), "dst", print_, full, now)
+            (records, now, rest), print_ = posted
+            self.guard.verdict(records(), "dst", print_, full, now)
             self._later(rest, lambda got: self.guard.verdict(got, "dst", print_, full,
                                                             self.party))
         else:
@@ -442,11 +443,11 @@ class Bridge(Redistributor):
         shape = self._programs(full, frozenset(), None, batch).grad_shape
         header, print_ = self.guard.header(grad, "dst", shape, full,
                                            self._print(full, "dst"))
-        return self._gather_rows(1, header, CHECKS), print_
+        return self._gather_records(1, header, CHECKS), print_
 
     def _calls(self, *halves: tuple) -> list[torch.Tensor | None]:
         """Run ``("forward", x, sizes)`` / ``("backward", grad)`` halves in order, every
-        half's rows posted before any half waits."""
+        half's records posted before any half waits."""
         self.lease.check()
         if torch.compiler.is_compiling():
             raise MimoFxError(self.context + "the imperative send/recv calls run eagerly; "
@@ -534,7 +535,7 @@ class Bridge(Redistributor):
         return self._stage_input(y)
 
     def flush(self) -> None:
-        """Wait until every send of this rank was received and every row it was sent
+        """Wait until every send of this rank was received and every record it was sent
         arrived and was checked (e.g. at the end of a step)."""
         try:
             self._settle_checks(wait=True)

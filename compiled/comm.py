@@ -456,13 +456,13 @@ def _exchange_messages(flat: torch.Tensor, out_splits, in_splits, name: str
     return out, _post(Collective.ALL_TO_ALL, name, flat, out, sends, recvs), len(sends)
 
 
-# An all-gather of small rows among ROOTED_MEMBERS or more goes through its first member:
-# the rows in, then the whole out, 2(n - 1) messages in two hops instead of n(n - 1) in
+# An all-gather of small records among ROOTED_MEMBERS or more goes through its first member:
+# the records in, then the whole out, 2(n - 1) messages in two hops instead of n(n - 1) in
 # one. Latency-bound, the message count is the cost: 4 and 8 gloo processes on 2 cores,
-# rows of 64 B to 16 KiB took 0.4-0.6x the direct messages' time, 128 KiB 0.9-1.0x, 1 MiB
-# 1.2-1.4x (bench/gather_messages.py). Size rows and check headers are such rows.
+# records of 64 B to 16 KiB took 0.4-0.6x the direct messages' time, 128 KiB 0.9-1.0x, 1 MiB
+# 1.2-1.4x (bench/gather_messages.py). Size records and check headers are such records.
 ROOTED_MEMBERS = 4
-ROOTED_BYTES = 64 << 10  # a member's row at most this
+ROOTED_BYTES = 64 << 10  # a member's record at most this
 
 
 def _gather_messages(flat: torch.Tensor, n: int, name: str, site: str = ""

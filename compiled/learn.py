@@ -1,17 +1,17 @@
 """Sizes learned by the ranks that do not know them: the size gather.
 
 A call that does not give every size learns the missing ones from the ranks holding
-src: every rank of the two grids contributes one small int64 row -- a marker, the
+src: every rank of the two grids contributes one small int64 record -- a marker, the
 bridge's fingerprint, the number of dims and the dtype of the tensor it passed (none
 for None), the tensor's local shape -- to one
 all-gather over the grids' union, on the bridge's check group (its own process group
 with its own timeout, so a rank that skipped the gather makes the others fail with an
-error, not pair the rows with data). Every rank then infers the same sizes from the
-same rows (uneven splits exactly, a ragged dim's counts one per shard) and raises the
-same error if a row is wrong. Under ``torch.compile`` the rows become unbacked SymInts
+error, not pair the records with data). Every rank then infers the same sizes from the
+same records (uneven splits exactly, a ragged dim's counts one per shard) and raises the
+same error if a record is wrong. Under ``torch.compile`` the records become unbacked SymInts
 (``.tolist()``, with ``capture_scalar_outputs``) and the checks run-time asserts.
 
->>> Row.width(3) == HEADER_LEN
+>>> Record.width(3) == HEADER_LEN
 True
 """
 
@@ -36,17 +36,17 @@ from .guard import (
     int_tensor,
 )
 
-__all__ = ["Row", "learn_sizes", "holder_shapes", "int_tensor"]
+__all__ = ["Record", "learn_sizes", "holder_shapes", "int_tensor"]
 
 HEADER = 4  # marker, fingerprint, 1 + the tensor's dims (0: None), its dtype
 
 
-class Row:
-    """One rank's row of the size gather."""
+class Record:
+    """One rank's record of the size gather."""
 
     @staticmethod
     def width(ndim: int) -> int:
-        """A row's length: a check header's (so a size gather that meets a check can
+        """A record's length: a check header's (so a size gather that meets a check can
         never be a gather of unequal sizes, which gloo aborts on)."""
         assert ndim <= MAX_DIMS, ndim
         return HEADER_LEN
@@ -54,11 +54,11 @@ class Row:
     @staticmethod
     def encode(x: torch.Tensor | None, ndim: int, print_: int) -> list[Any]:
         if not isinstance(x, torch.Tensor):
-            row = [MAGIC_SIZES, print_, 0, 0] + [0] * ndim
+            record = [MAGIC_SIZES, print_, 0, 0] + [0] * ndim
         else:
             shape = list(x.shape)[:ndim] + [0] * max(0, ndim - x.dim())
-            row = [MAGIC_SIZES, print_, 1 + x.dim(), dtype_code(x.dtype), *shape]
-        return row + [0] * (HEADER_LEN - len(row))
+            record = [MAGIC_SIZES, print_, 1 + x.dim(), dtype_code(x.dtype), *shape]
+        return record + [0] * (HEADER_LEN - len(record))
 
 
 def _eager_check(ok, message) -> None:
@@ -72,7 +72,7 @@ def _compiled_check(ok, message) -> None:
                              "layouts (run the call eagerly to see which rank and why)")
 
 
-def holder_shapes(rows: torch.Tensor | list, ranks: tuple[int, ...], src: Layout,
+def holder_shapes(records: torch.Tensor | list, ranks: tuple[int, ...], src: Layout,
                   ndim: int) -> dict:
     """The local shapes the src holders sent, one holder per piece, by rank, as SymInts
     under ``torch.compile``: only these entries of the table become unbacked SymInts
@@ -82,10 +82,10 @@ def holder_shapes(rows: torch.Tensor | list, ranks: tuple[int, ...], src: Layout
     at = _holder_rows(ranks, src)
     if not at or not ndim:
         return {ranks[i]: () for i in at}
-    if isinstance(rows, list):  # host rows (a one-rank bridge's own: its shape's sizes)
-        table = [rows[i][HEADER:HEADER + ndim] for i in at]
+    if isinstance(records, list):  # host records (a one-rank bridge's own: its shape's sizes)
+        table = [records[i][HEADER:HEADER + ndim] for i in at]
     else:
-        table = rows.view(len(ranks), -1)[at, HEADER:HEADER + ndim].tolist()
+        table = records.view(len(ranks), -1)[at, HEADER:HEADER + ndim].tolist()
     return {ranks[i]: tuple(shape) for i, shape in zip(at, table)}
 
 
@@ -105,22 +105,22 @@ def _holder_rows(ranks: tuple[int, ...], src: Layout) -> list[int]:
     return at
 
 
-def learn_sizes(rows: torch.Tensor | list, ranks: tuple[int, ...], src: Layout, given: dict,
+def learn_sizes(records: torch.Tensor | list, ranks: tuple[int, ...], src: Layout, given: dict,
                 print_: int, dtype: torch.dtype, context: str) -> dict:
-    """Every dim's size from the gathered ``rows`` (a table, one row per rank of
-    ``ranks``), ``given`` first. Eagerly a bad row raises :class:`MimoFxError` on every
+    """Every dim's size from the gathered ``records`` (a table, one record per rank of
+    ``ranks``), ``given`` first. Eagerly a bad record raises :class:`MimoFxError` on every
     rank, naming the rank."""
     compiling = torch.compiler.is_compiling()
     check: Callable[[Any, str], None] = _compiled_check if compiling else _eager_check
     ndim = len(src.local_dims)
     if compiling:
-        shapes = holder_shapes(rows, ranks, src, ndim)
+        shapes = holder_shapes(records, ranks, src, ndim)
     else:
-        listed = rows if isinstance(rows, list) else rows.view(len(ranks), -1).tolist()
-        problems = _row_problems(listed, ranks, src, print_, ndim, dtype)
+        listed = records if isinstance(records, list) else records.view(len(ranks), -1).tolist()
+        problems = _record_problems(listed, ranks, src, print_, ndim, dtype)
         if problems:
             raise MimoFxError(context + "the size gather found:\n  " + "\n  ".join(problems))
-        shapes = {r: tuple(row[HEADER:HEADER + ndim]) for r, row in zip(ranks, listed)
+        shapes = {r: tuple(record[HEADER:HEADER + ndim]) for r, record in zip(ranks, listed)
                   if src.holds(r)}
     try:
         sizes = infer_sizes(src, shapes, dict(given), check)
@@ -154,20 +154,20 @@ def _wrong_shapes(src: Layout, shapes: dict, sizes: dict) -> list[str]:
     return out
 
 
-def _row_problems(rows, ranks, src: Layout, print_: int, ndim: int,
+def _record_problems(records, ranks, src: Layout, print_: int, ndim: int,
                   dtype: torch.dtype) -> list[str]:
-    split = calls_differ(rows, ranks, "layouts, dtype, options, or the sizes or batch a "
+    split = calls_differ(records, ranks, "layouts, dtype, options, or the sizes or batch a "
                          "call gives", MAGIC_SIZES)
     out = [split] if split else []
-    for rank, row in zip(ranks, rows):
-        magic, _, dims, code = row[:HEADER]
-        shape = tuple(row[HEADER:HEADER + ndim])
+    for rank, record in zip(ranks, records):
+        magic, _, dims, code = record[:HEADER]
+        shape = tuple(record[HEADER:HEADER + ndim])
         if magic == MAGIC:
-            out.append(f"rank {rank} sent a check header instead of a size row: it gave "
+            out.append(f"rank {rank} sent a check header instead of a size record: it gave "
                        f"every size (then no size gather runs) and checks its call; every rank "
                        f"must give the same set of sizes")
         elif magic != MAGIC_SIZES:
-            out.append(f"rank {rank} sent no size row: it gave every size (then no "
+            out.append(f"rank {rank} sent no size record: it gave every size (then no "
                        f"size gather runs), called another collective, or left; every rank "
                        f"must give the same set of sizes")
         elif split:

@@ -165,9 +165,9 @@ class RowSizing(CallSizes):
         return True  # the size gather checks the batch every rank passed
 
     def size_values(self, x) -> list:
-        from .learn import Row
+        from .learn import Record
 
-        return Row.encode(x, 1 + len(self.features), self.print_)
+        return Record.encode(x, 1 + len(self.features), self.print_)
 
     def sizes_from(self, rows: torch.Tensor | list, known: dict, ranks=None) -> dict:
         """The sizes the src holders' shapes show (see :mod:`.learn`): a box src's every

@@ -1,9 +1,9 @@
 """A call's sizes: those it gives, the bridge's fixed ones, and those its ranks learn.
 
-A bridge whose sizes or batch vary gathers one size row per rank on every call
-(:mod:`.learn` encodes and reads the rows), learning what is missing and checking what is
-given (the rows carry the bridge's digest and the call's given sizes): ranks that give
-different sizes or batches raise, never pair mismatched data. Where the rows repeat the
+A bridge whose sizes or batch vary gathers one size record per rank on every call
+(:mod:`.learn` encodes and reads the records), learning what is missing and checking what is
+given (the records carry the bridge's digest and the call's given sizes): ranks that give
+different sizes or batches raise, never pair mismatched data. Where the records repeat the
 last gather's, nothing new is learned and nothing is gathered.
 """
 
@@ -29,7 +29,7 @@ class SizeGather:
 
     def __init__(self, prepared, comm) -> None:
         self.bridge, self.comm = prepared, comm
-        self.agreed: tuple | None = None  # the last gather: (this rank's row, rows, sizes)
+        self.agreed: tuple | None = None  # the last gather: (this rank's record, records, sizes)
         # the last eager call with every size given: (its shape and sizes, the gather it
         # agreed on, the sizes) -- the same call again learns nothing and checks nothing new
         self.given_last: tuple | None = None
@@ -48,7 +48,7 @@ class SizeGather:
         if len(b.union) == 1:  # (learned from its own tensor: no one to gather from)
             if not missing:
                 return full, frozenset()
-            # (its host row, not a tensor of it: under torch.compile the sizes are then
+            # (its host record, not a tensor of it: under torch.compile the sizes are then
             # its tensor's own, not unbacked reads that no shape of the graph matches)
             return sizing.sizes_from([sizing.size_values(x)], full), frozenset(missing)
         if not sizing.gathers_sizes(missing) and not torch.compiler.is_compiling():
@@ -70,75 +70,75 @@ class SizeGather:
         guard.local(x, "src", guard.expect("src", rank, full).shape, full)
 
     def _learn(self, x, known: dict, layouts: dict) -> dict:
-        """The gather: every rank's shape row, then every size from them. Under
-        ``torch.compile`` it is an ordered op that also judges the rows when the graph
+        """The gather: every rank's size record, then every size from them. Under
+        ``torch.compile`` it is an ordered op that also judges the records when the graph
         runs, raising the eager call's error on every rank."""
         sizing = self.bridge.sizing
         values, spec = flat_sizes(known)
         if not torch.compiler.is_compiling():  # (the gather learns them as it judges)
             return self.gather(sizing.size_values(x), values, sizing.batch_values(layouts),
                                spec)[1]
-        rows = _GATHER_SIZES(sizing.size_row(x), values, sizing.batch(layouts),
+        records = _GATHER_SIZES(sizing.size_record(x), values, sizing.batch(layouts),
                              self.bridge.name, spec)
         if not sizing.missing(known):
-            # every size given: the op judges the rows when the graph runs; reading
+            # every size given: the op judges the records when the graph runs; reading
             # them here would only repeat its checks as run-time asserts
             return dict(known)
-        return sizing.sizes_from(rows.view(len(self.bridge.union), -1), known)
+        return sizing.sizes_from(records.view(len(self.bridge.union), -1), known)
 
-    def gather(self, row: list, known, batch, spec: str) -> tuple[torch.Tensor, dict]:
-        """Every rank's row (on the host; this rank's ``row`` with the call's given sizes
+    def gather(self, record: list, known, batch, spec: str) -> tuple[torch.Tensor, dict]:
+        """Every rank's record (on the host; this rank's ``record`` with the call's given sizes
         ``known`` and ``batch`` folded in), and every size they give."""
         known = [int(v) for v in known]
-        mine = fold_call(list(row), known, spec, batch)
+        mine = fold_call(list(record), known, spec, batch)
         sizes = read_sizes(known, spec)
         key = (tuple(mine), spec)
         agreed = self.agreed
         if agreed is not None and agreed[0] == key and not self.bridge.sizing.missing(sizes):
-            # every size given, as in the last gather, whose rows agreed: nothing to learn
+            # every size given, as in the last gather, whose records agreed: nothing to learn
             # and nothing new to check (a rank whose sizes changed gathers alone and times
             # out naming the size gather, and its peers time out in their data transfer)
             return agreed[1].clone(), dict(agreed[2])
-        rows = self._rows(mine)
-        learned = self.bridge.sizing.sizes_from(rows, sizes)
-        out = rows.reshape(-1).clone()
+        records = self._records(mine)
+        learned = self.bridge.sizing.sizes_from(records, sizes)
+        out = records.reshape(-1).clone()
         self.agreed = (key, out, learned)
         return out.clone(), dict(learned)
 
-    def _rows(self, row: list[int]) -> torch.Tensor:
-        """Every rank's size row (``row``: this rank's host values), on the host: the one
+    def _records(self, record: list[int]) -> torch.Tensor:
+        """Every rank's size record (``record``: this rank's host values), on the host: the one
         read of the data's device a call that learns its sizes makes."""
         b = self.bridge
         assert self.comm is not None
         try:
-            mine = host_to(torch.tensor(row, dtype=torch.int64), b.device)
+            mine = host_to(torch.tensor(record, dtype=torch.int64), b.device)
             return self.comm.all_gather(mine, b.union).view(len(b.union), -1).cpu()
         except (RuntimeError, MimoFxError) as err:  # a timeout or a peer gone
             raise MimoFxError(
-                b.context + f"rank {b.rank} waited in vain for every rank's size row "
+                b.context + f"rank {b.rank} waited in vain for every rank's size record "
                 f"({cause(err)}). Every rank of both grids calls the bridge, giving the "
                 f"same set of sizes ({wait_time()})") from None
 
 
-def fold_call(row: list, known, spec: str, batch) -> list:
-    """``row`` (a size row's host values), its fingerprint folding in the sizes a call
+def fold_call(record: list, known, spec: str, batch) -> list:
+    """``record`` (a size record's host values), its fingerprint folding in the sizes a call
     gives (``known``, flat as :func:`.sizing.flat_sizes` makes them, with their ``spec``)
     and its batch's data as ints (``batch``): ranks whose calls differ in either send
-    different rows."""
-    row[1] = fingerprint(int(row[1]), [int(v) for v in known], spec,
+    different records."""
+    record[1] = fingerprint(int(record[1]), [int(v) for v in known], spec,
                          [list(b) for b in batch])
-    return row
+    return record
 
 
-def _gather_sizes_impl(row: torch.Tensor, known, batch, bridge: str, spec: str) -> torch.Tensor:
-    """Every rank's size row, judged as an eager call judges them (the same error on
+def _gather_sizes_impl(record: torch.Tensor, known, batch, bridge: str, spec: str) -> torch.Tensor:
+    """Every rank's size record, judged as an eager call judges them (the same error on
     every rank for a bad one)."""
-    return live.named(bridge).gather.gather(row.tolist(), known, [b.tolist() for b in batch],
+    return live.named(bridge).gather.gather(record.tolist(), known, [b.tolist() for b in batch],
                                             spec)[0]
 
 
 _GATHER_SIZES = define(
-    "gather_sizes(Tensor row, SymInt[] known, Tensor[] batch, str bridge, str spec) -> Tensor",
+    "gather_sizes(Tensor record, SymInt[] known, Tensor[] batch, str bridge, str spec) -> Tensor",
     _gather_sizes_impl,
-    lambda row, known, batch, bridge, spec: row.new_empty(
-        row.numel() * len(live.named(bridge).union)), ordered=True)
+    lambda record, known, batch, bridge, spec: record.new_empty(
+        record.numel() * len(live.named(bridge).union)), ordered=True)

@@ -128,8 +128,8 @@ class CallSizes:
         """This rank's size-gather row (:mod:`.learn`): ints, or SymInts when compiling."""
         raise NotImplementedError
 
-    def size_row(self, x) -> torch.Tensor:
-        """:meth:`size_values` as an int64 vector on the host (size rows are metadata: a
+    def size_record(self, x) -> torch.Tensor:
+        """:meth:`size_values` as an int64 vector on the host (size records are metadata: a
         call reads them back, and a read of a host tensor never waits for a GPU)."""
         from .guard import int_tensor
 
@@ -216,7 +216,7 @@ class CallSizes:
                           "moves boxes: build a Redistributor for other layouts")
 
     def batch(self, layouts: dict) -> list[torch.Tensor]:
-        """A call's batch data (its ``src=``/``dst=``) for its size row's fingerprint: empty."""
+        """A call's batch data (its ``src=``/``dst=``) for its size record's fingerprint: empty."""
         return []
 
     def batch_values(self, layouts: dict) -> list[tuple[int, ...]]:
@@ -229,7 +229,7 @@ class CallSizes:
         return bool(self.free)
 
     def gathers_sizes(self, missing: tuple) -> bool:
-        """Whether a call missing ``missing`` sizes gathers size rows (checked on every rank)."""
+        """Whether a call missing ``missing`` sizes gathers size records (checked on every rank)."""
         return bool(missing)
 
 
@@ -241,7 +241,7 @@ class Sizing(CallSizes):
                  grad_partial: tuple[str, ...], rank: int, context: str) -> None:
         self.src, self.dst, self.dtype, self.rank = src, dst, dtype, rank
         self.context = context
-        self.print_ = 0  # the bridge's fingerprint, which size rows carry (set by it)
+        self.print_ = 0  # the bridge's fingerprint, which size records carry (set by it)
         self.fixed = size_arguments(src, dst, fixed, {}, "Redistributor", ()) if fixed else {}
         self.free = tuple(d for d in src.dims if d not in self.fixed)
         self.adjoint = backward_layouts(src, dst, grad_partial)
@@ -318,9 +318,9 @@ class Sizing(CallSizes):
 
     # -- a call's sizes (given, missing: CallSizes) ----------------------------------------
     def size_values(self, x) -> list:
-        from .learn import Row
+        from .learn import Record
 
-        return Row.encode(x, len(self.src.local_dims), self.print_)
+        return Record.encode(x, len(self.src.local_dims), self.print_)
 
     def sizes_from(self, rows: torch.Tensor | list, known: dict, ranks=None) -> dict:
         from .learn import learn_sizes

@@ -8,7 +8,7 @@ after two warm-up calls, in one 2-rank gloo world:
 - fixed sizes, sizes given again in each call, a packed batch given its token count:
   no read at all, eager and compiled;
 - a call that learns its sizes: one read eagerly, the size gather's rows, which come
-  back to the host in one copy; compiled, one more, the size row the graph made on the
+  back to the host in one copy; compiled, one more, the size record the graph made on the
   host (a CPU tensor: no device to wait for);
 - a packed call that learns its count: one read eagerly; compiled, the route op also
   reads its batch (host tensors) -- still one read of data that crossed a collective;
@@ -190,7 +190,7 @@ def test_a_steady_call_reads_no_tensor_on_the_host(results, kind, how):
 
 @pytest.mark.parametrize("kind, how, most", [
     ("learned", "eager", 1), ("packed learned", "eager", 1),
-    ("learned", "compiled", 2),        # + the size row the graph made on the host
+    ("learned", "compiled", 2),        # + the size record the graph made on the host
     ("packed learned", "compiled", 5),  # + that row, and the route op's batch (host)
 ])
 def test_a_call_that_learns_reads_its_gathered_rows_once(results, kind, how, most):

@@ -136,7 +136,7 @@ def test_a_failed_wait_forgives_what_its_rank_left_in_flight():
 
 
 def test_what_a_rank_waited_for_before_a_failure_does_not_hold_up_what_it_does_next():
-    """The reliability table's record: a rank's grouped call sends its size row and
+    """The reliability table's record: a rank's grouped call sends its size record and
     waits for the table back, which never comes (its peer's wait failed first); its own
     wait fails too, and both go on to a new bridge. The failed call is forgiven and no
     longer holds up the next; without the failures it is a deadlock."""

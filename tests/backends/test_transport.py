@@ -9,7 +9,7 @@ values and gradients are compared with full-tensor math (the oracle, ``shard``).
   with nothing to move posts nothing (the journal lists each op with its messages).
 - A bridge whose plans move nothing returns a view of its input (no copy, the same
   storage) and passes the gradient through.
-- A bridge with free dims whose calls give every size gathers size rows on its first
+- A bridge with free dims whose calls give every size gathers size records on its first
   call and not again while the sizes stay the same; a new size gathers again.
 - ``start()`` posts the transfer; ``wait()`` gives the same result and gradient as a
   plain call, with compute in between.
@@ -110,7 +110,7 @@ def _given_sizes(rank: int) -> dict:
             with torch.no_grad():
                 y = bridge(shard(x, src)[rank], b=b)
             calls = trace.since(start)
-            # the size rows: an all-gather over the union (the data's are in pairs)
+            # the size records: an all-gather over the union (the data's are in pairs)
             exchanges.append(sum(c.kind == Collective.ALL_GATHER and c.ranks == union
                                  for c in calls))
             ok = ok and torch.equal(y, shard(x, dst)[rank])

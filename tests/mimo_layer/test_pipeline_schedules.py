@@ -303,7 +303,7 @@ def _mistakes(rank: int) -> dict:
     except MimoFxError as err:
         out["pinned"] = str(err)
     bridge.destroy()
-    # one grid, both layouts pinned to its last stage, sizes learned: the size rows are
+    # one grid, both layouts pinned to its last stage, sizes learned: the size records are
     # a gather of the whole grid, so every rank of it calls (the other stage's with None)
     stages = Grid(pp=2, dp=2)
     bridge = Bridge(Layout(stages, "(dp b) h", at={"pp": -1}),
