@@ -378,6 +378,10 @@ def _case(rank: int, world: int, case: tuple, p: dict, baton: Baton) -> dict:
                 ys.append(plain(x))
                 plain.executor.name = named
         same = all(torch.equal(ys[0], y) for y in ys[1:])
+        # one call under autograd by every rank together: the bridge decides there, once,
+        # whether its source is frozen (a collective), which a stubbed "grad" burst later
+        # run by one rank alone must find made
+        plain(xg)
     gloo: dict[str, list[float]] = {"unchecked": [], "checked": []}
     for _ in range(p["rounds"]):  # checked mode with its collective
         with Turn(rank, 0, baton), torch.no_grad():
