@@ -28,7 +28,7 @@ from mimo_fx.plan import (
     size_arguments,
 )
 from mimo_fx.regions import Box
-from mimo_fx.rows import RowRouting, is_row_pair, row_side
+from mimo_fx.rows import RowRouting, row_side
 from mimo_fx.sizes import as_int
 from mimo_fx.vjp import apply
 
@@ -100,10 +100,7 @@ def redistribute(
         raise MimoFxError(f"redistribute: pieces are on several devices "
                           f"{sorted(map(str, devices))}; the reference backend runs every "
                           f"rank in one process: move them to one device (e.g. .cpu())")
-    if is_row_pair(src, dst):
-        full = _row_sizes(pieces, src, dst, given)
-    else:
-        full = infer_sizes(src, {r: tuple(pieces[r].shape) for r in src.holders}, given)
+    full = _sizes(pieces, src, dst, given)
     fwd = plan(src, dst, full, dtype)
     bwd = backward_plan(src, dst, full, dtype, grad_partial)
     if frozen not in (None, True, False):
@@ -141,20 +138,22 @@ def _checked_pieces(pieces, src: Layout) -> dict[int, torch.Tensor]:
     return pieces
 
 
-def _row_sizes(pieces: Mapping[int, torch.Tensor], src, dst, given: dict) -> dict:
-    """Every size of a row plan (a packed layout on a side): the features' from the
-    pieces, the rows' from the layouts or the box side's pieces."""
+def _sizes(pieces: Mapping[int, torch.Tensor], src, dst, given: dict) -> dict:
+    """Every size of the plan from ``src`` to ``dst``, as src's row side shows them: a box
+    side's from its holders' shapes, a side given row by row (a packed layout) its
+    features' from a piece and its rows' from the layouts."""
     from mimo_fx.rows import check_row_sizes, row_dims
 
-    like = next(iter(pieces.values()))
-    rows = row_dims(src, dst)
-    features = [d for d in src.dims if d not in rows]
-    sizes = dict(given)
-    for d, n in zip(features, like.shape[1:]):
-        sizes.setdefault(d, int(n))
+    def features() -> dict:
+        like, rows = next(iter(pieces.values())), row_dims(src, dst)
+        sizes = dict(given)
+        for d, n in zip([d for d in src.dims if d not in rows], like.shape[1:]):
+            sizes.setdefault(d, int(n))
+        return sizes
+
     sizes = row_side(src).sizes_shown(
-        lambda: infer_sizes(src, {r: tuple(pieces[r].shape) for r in src.holders}, sizes),
-        lambda: sizes)
+        lambda: infer_sizes(src, {r: tuple(pieces[r].shape) for r in src.holders}, given),
+        features)
     return check_row_sizes(src, dst, sizes)
 
 
