@@ -64,7 +64,7 @@ import torch
 from mimo_fx.errors import MimoFxError
 
 from .comm import Comm, host_to, note
-from .executor import CompiledExecutor, Numbers
+from .executor import CompiledExecutor, NumbersAt
 from .lease import Lease, keep_alive, release_later
 from .p2p import CHECKS, SIZES, Channel, Routed
 from .prepared import placeholder
@@ -314,7 +314,8 @@ class Bridge(Redistributor):
             records, now, rest = self._gather_records(0, self._size_record(x, full, batch), SIZES)
         elif self.checked:
             shape = self._programs(full, frozenset(), x, batch).src_shape
-            header, print_ = guard.header(x, "src", shape, full, self._print(full))
+            header, fingerprint = guard.header(x, "src", shape, full,
+                                               self._checked_fingerprint(full))
             records, now, rest = self._gather_records(0, header, CHECKS)
         guess = self._guess()
         ahead = None  # a receiver's transfer posted at the guessed sizes
@@ -329,8 +330,8 @@ class Bridge(Redistributor):
             self._later(rest, lambda got: self._same_sizes(got, known, full, self.party))
         programs = self._programs(full, frozenset(missing), x, batch)
         if self.checked and not gather:
-            guard.verdict(records(), "src", print_, full, now)
-            self._later(rest, lambda got: guard.verdict(got, "src", print_, full, self.party))
+            guard.verdict(records(), "src", fingerprint, full, now)
+            self._later(rest, lambda got: guard.verdict(got, "src", fingerprint, full, self.party))
         else:
             guard.local(x, "src", programs.src_shape, full)
         self.last_sizes = full
@@ -393,7 +394,7 @@ class Bridge(Redistributor):
             self._recent[key] = full
         return dict(full)
 
-    def _print(self, full: dict, side: str = "src") -> int | None:
+    def _checked_fingerprint(self, full: dict, side: str = "src") -> int | None:
         """The fingerprint a checked call of ``side`` at ``full`` sizes carries."""
         from .guard import fingerprint
         from .sizing import _size_key
@@ -427,9 +428,9 @@ class Bridge(Redistributor):
             posted = self._backward_header(grad, (full, batch))
         programs = self._programs(full, frozenset(), None, batch)
         if posted is not None:
-            (records, now, rest), print_ = posted
-            self.guard.verdict(records(), "dst", print_, full, now)
-            self._later(rest, lambda got: self.guard.verdict(got, "dst", print_, full,
+            (records, now, rest), fingerprint = posted
+            self.guard.verdict(records(), "dst", fingerprint, full, now)
+            self._later(rest, lambda got: self.guard.verdict(got, "dst", fingerprint, full,
                                                             self.party))
         else:
             self.guard.local(grad, "dst", programs.grad_shape, full)
@@ -441,9 +442,9 @@ class Bridge(Redistributor):
             call = self._in_flight[0] if self.sizing.varies else (self.fixed, {})
         full, batch = call
         shape = self._programs(full, frozenset(), None, batch).grad_shape
-        header, print_ = self.guard.header(grad, "dst", shape, full,
-                                           self._print(full, "dst"))
-        return self._gather_records(1, header, CHECKS), print_
+        header, fingerprint = self.guard.header(grad, "dst", shape, full,
+                                           self._checked_fingerprint(full, "dst"))
+        return self._gather_records(1, header, CHECKS), fingerprint
 
     def _calls(self, *halves: tuple) -> list[torch.Tensor | None]:
         """Run ``("forward", x, sizes)`` / ``("backward", grad)`` halves in order, every
@@ -589,6 +590,6 @@ class _Programs:
     def __init__(self, sizing, full: dict, learned: frozenset, x, batch: dict) -> None:
         self.fwd, self.bwd, values, self.index, _ = sizing.programs(full, learned, x, **batch)
         self.env = None if values is None else dict(zip(sizing.variables, values))
-        num = Numbers(self.env)
+        num = NumbersAt(self.env)
         self.src_shape = None if self.fwd.src_shape is None else num.all(self.fwd.src_shape)
         self.grad_shape = None if self.bwd.src_shape is None else num.all(self.bwd.src_shape)

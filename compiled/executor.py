@@ -20,10 +20,10 @@ from . import timeouts
 from .comm import Comm
 from .lowering import AddAt, Cat, Node, Op, Program, Take, View
 
-__all__ = ["CompiledExecutor", "Started", "issue", "Numbers", "take", "add_at"]
+__all__ = ["CompiledExecutor", "Started", "issue", "NumbersAt", "take", "add_at"]
 
 
-class Numbers:
+class NumbersAt:
     """A program's numbers: as they are (a plain program, ``env`` None), or a template's
     polynomials evaluated at ``env`` -- SymInts under ``torch.compile``, where a program
     holding them cannot be built (Dynamo specialises a SymInt stored in an object)."""
@@ -49,10 +49,10 @@ class Numbers:
                       for s in index])
 
 
-PLAIN = Numbers()
+AS_WRITTEN = NumbersAt()
 
 
-def _build(entries: list, node: Node, num: Numbers, inputs: tuple = ()) -> torch.Tensor:
+def _build(entries: list, node: Node, num: NumbersAt, inputs: tuple = ()) -> torch.Tensor:
     if isinstance(node, View):
         t = entries[node.entry]
         return t if node.index is None else t[num.index(node.index)]
@@ -89,11 +89,11 @@ def add_at(rows: torch.Tensor, shape: tuple, index: torch.Tensor) -> torch.Tenso
     return out if _none(out) else out.index_add_(0, index, rows)
 
 
-def _pad(entries: list, item, num: Numbers) -> torch.Tensor:
+def _pad(entries: list, item, num: NumbersAt) -> torch.Tensor:
     return entries[0].new_zeros(num(item))
 
 
-def _pack(entries: list, op: Op, wire, num: Numbers, inputs: tuple = ()) -> torch.Tensor:
+def _pack(entries: list, op: Op, wire, num: NumbersAt, inputs: tuple = ()) -> torch.Tensor:
     items = op.pack
     if len(items) == 1 and not isinstance(items[0], int | Expr):
         flat = _build(entries, items[0], num, inputs).reshape(-1)
@@ -108,7 +108,7 @@ def _pack(entries: list, op: Op, wire, num: Numbers, inputs: tuple = ()) -> torc
     return flat.to(wire) if wire is not None else flat
 
 
-def issue(comm: Comm, op: Op, flat: torch.Tensor, num: Numbers = PLAIN,
+def issue(comm: Comm, op: Op, flat: torch.Tensor, num: NumbersAt = AS_WRITTEN,
           site: str = "") -> torch.Tensor:
     """Run ``op``'s collective on its packed input through ``comm`` (whose table,
     keyed by the op's kind, says how)."""
@@ -116,7 +116,7 @@ def issue(comm: Comm, op: Op, flat: torch.Tensor, num: Numbers = PLAIN,
                            num.all(op.in_splits), site)
 
 
-def _unpacked(flat: torch.Tensor, op: Op, num: Numbers) -> list:
+def _unpacked(flat: torch.Tensor, op: Op, num: NumbersAt) -> list:
     out: list = []
     for u in op.unpack:
         if u is None:
@@ -187,14 +187,14 @@ class CompiledExecutor:
         compiler places each wait; no run objects for Dynamo to trace)."""
         (local,) = tensors
         if self.check is not None and direction == "backward" and not self.check(
-                local, program, PLAIN if env is None else Numbers(env)):
+                local, program, AS_WRITTEN if env is None else NumbersAt(env)):
             return (local.new_zeros((0,) * program.out_ndim),)  # (raises when it runs)
         comm, wire = self.comms[direction], self.wires[direction]
         straight = program.straight
         if straight is not None:
             prefix = f"{self.name}|{direction}|" if self.name else ""
             return (straight.run(local, env, inputs, comm, prefix, wire),)
-        num = PLAIN if env is None else Numbers(env)
+        num = AS_WRITTEN if env is None else NumbersAt(env)
         entries = [_canonical(local, program, num)]
         for i, op in enumerate(program.ops):
             site = timeouts.at(self.name, direction, i, op.ranks_text) if self.name else ""
@@ -209,7 +209,7 @@ class CompiledExecutor:
         (:meth:`Started.finish` waits for it and runs the rest): what lets a transfer
         overlap the caller's compute."""
         (local,) = tensors
-        num = PLAIN if env is None else Numbers(env)
+        num = AS_WRITTEN if env is None else NumbersAt(env)
         if self.check is not None and direction == "backward" \
                 and not self.check(local, program, num):
             return Started.done(local.new_zeros((0,) * program.out_ndim))  # (raises later)
@@ -220,7 +220,7 @@ class CompiledExecutor:
         return run
 
 
-def _canonical(local: torch.Tensor, program: Program, num: Numbers) -> torch.Tensor:
+def _canonical(local: torch.Tensor, program: Program, num: NumbersAt) -> torch.Tensor:
     """The src piece viewed with one axis per dim, in canonical order."""
     if program.src_expand is not None:
         local = local.reshape(num.all(program.src_expand))
@@ -229,7 +229,7 @@ def _canonical(local: torch.Tensor, program: Program, num: Numbers) -> torch.Ten
     return local
 
 
-def _output(entries: list, program: Program, num: Numbers, inputs: tuple,
+def _output(entries: list, program: Program, num: NumbersAt, inputs: tuple,
             local: torch.Tensor) -> torch.Tensor:
     """The dst piece from a program's entries (an empty tensor where it holds none)."""
     if program.out is None:
@@ -250,7 +250,7 @@ class Started:
     """A program run up to a posted collective (:meth:`CompiledExecutor.start`)."""
 
     def __init__(self, executor: CompiledExecutor, program: Program | None,
-                 local: torch.Tensor, entries: list, num: Numbers, inputs: tuple,
+                 local: torch.Tensor, entries: list, num: NumbersAt, inputs: tuple,
                  direction: str) -> None:
         self.executor, self.program, self.local = executor, program, local
         self.entries, self.num, self.inputs, self.direction = entries, num, inputs, direction
@@ -259,7 +259,7 @@ class Started:
 
     @staticmethod
     def done(out: torch.Tensor) -> Started:
-        run = Started(None, None, out, [], PLAIN, (), "")  # type: ignore[arg-type]
+        run = Started(None, None, out, [], AS_WRITTEN, (), "")  # type: ignore[arg-type]
         run.result = (out,)
         return run
 

@@ -133,16 +133,16 @@ class Header:
     """One rank's check header, and every rank's decoded back into messages."""
 
     @staticmethod
-    def encode(x, code: int, print_: int, state: tuple = (0, 0, 0, 0, 0)) -> list[int]:
+    def encode(x, code: int, fingerprint: int, state: tuple = (0, 0, 0, 0, 0)) -> list[int]:
         """``state``: side, forward and backward calls so far, grad, batch."""
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else ()
         dtype = dtype_code(x.dtype) if isinstance(x, torch.Tensor) else 0
         device = _device_code(x.device) if isinstance(x, torch.Tensor) else 0
         dims = list(shape[:MAX_DIMS]) + [0] * (MAX_DIMS - min(len(shape), MAX_DIMS))
-        return [MAGIC, print_, code, dtype, device, len(shape), *dims, *state]
+        return [MAGIC, fingerprint, code, dtype, device, len(shape), *dims, *state]
 
     @staticmethod
-    def problems(rows: list[list[int]], ranks: tuple[int, ...], print_: int,
+    def problems(rows: list[list[int]], ranks: tuple[int, ...], fingerprint: int,
                  expects: dict[int, Expect]) -> list[str]:
         """Messages for every rank whose header shows a problem (the same on every rank:
         ranks that disagree on the call itself are named in groups, not against this
@@ -417,7 +417,8 @@ class Guard:
         self.src, self.dst, self.rank, self.union = src, dst, rank, union
         self.dtype, self.device, self.checked, self.comm = dtype, device, checked, comm
         self.key, self.context = key, context
-        self.prints = {"src": fingerprint("forward", *key), "dst": fingerprint("backward", *key)}
+        self.fingerprints = {"src": fingerprint("forward", *key),
+                             "dst": fingerprint("backward", *key)}
         self.name = name  # its bridge's: the key of the compiled checks' ops
         self.calls = {"src": 0, "dst": 0}  # checked forward and backward calls so far
         self._expects: dict = {}  # local shape -> what local() checks a tensor against
@@ -449,11 +450,11 @@ class Guard:
         raise MimoFxError(self.problem(code, side, full, x))
 
     # -- the checks ----------------------------------------------------------------------
-    def __call__(self, x, side: str, shape, full: dict | None, print_: int | None = None,
+    def __call__(self, x, side: str, shape, full: dict | None, fingerprint: int | None = None,
                  grad: bool = False, batch=0) -> bool:
         """Validate ``x`` as this rank's ``side`` tensor of local ``shape`` (None: it holds
         none): locally, and in checked mode with every rank of both grids (every rank
-        then raises the same error). ``print_``: the call's fingerprint (default: the
+        then raises the same error). ``fingerprint``: the call's fingerprint (default: the
         bridge's, for a call at its fixed sizes); ``grad``: whether this rank runs the
         call's backward; ``batch``: a row bridge's batch digest. Returns False where a
         compiled checked call found a problem while tracing: the call then raises when
@@ -466,9 +467,9 @@ class Guard:
                 self.local(x, side, shape, full or {})
             return True
         code = self.code(x, shape)
-        print_ = self.prints[side] if print_ is None else print_
+        fingerprint = self.fingerprints[side] if fingerprint is None else fingerprint
         state = (SIDES.index(side), 0, 0, int(grad), batch)
-        header = Header.encode(x, code, print_, state)
+        header = Header.encode(x, code, fingerprint, state)
         expected = [-1] if shape is None else list(shape)
         if torch.compiler.is_compiling():
             _CHECK_CALL(header, expected, self.name)
@@ -520,10 +521,10 @@ class Guard:
         if self.comm is None or not self.checked or torch.compiler.is_compiling():
             raise err
         state = (SIDES.index(side), self.calls["src"], self.calls["dst"], 0, 0)
-        mine = int_tensor(Header.encode(None, FAILED, self.prints[side], state), self.device)
+        mine = int_tensor(Header.encode(None, FAILED, self.fingerprints[side], state), self.device)
         rows = self.gather_headers(mine)
         try:
-            self.verdict(rows, side, self.prints[side], {}, expects=False)
+            self.verdict(rows, side, self.fingerprints[side], {}, expects=False)
         except MimoFxError as every:
             raise MimoFxError(f"{err}\n(every rank: {every})") from None
         raise err
@@ -540,13 +541,13 @@ class Guard:
             raise MimoFxError(self.problem(code, side, full, x))
 
     def header(self, x, side: str, shape, full: dict,
-               print_: int | None = None) -> tuple[torch.Tensor, int]:
+               fingerprint: int | None = None) -> tuple[torch.Tensor, int]:
         """This rank's check header for ``x`` (an imperative pipeline call's: its calls
         pair per channel, not by count), and the call's fingerprint."""
         code = inspect(x, Expect(shape, self.dtype, self.device, ""))
-        print_ = self.prints[side] if print_ is None else print_
+        fingerprint = self.fingerprints[side] if fingerprint is None else fingerprint
         state = (SIDES.index(side), 0, 0, 0, 0)
-        return int_tensor(Header.encode(x, code, print_, state), self.device), print_
+        return int_tensor(Header.encode(x, code, fingerprint, state), self.device), fingerprint
 
     def gather_headers(self, mine: torch.Tensor) -> torch.Tensor:
         """Every rank's header (eagerly; a timeout or a lost peer is an error)."""
@@ -562,7 +563,7 @@ class Guard:
                 f"checked=False, called another bridge or collective, or left; every rank "
                 f"must make the same checked call ({wait_time()})") from None
 
-    def verdict(self, rows: torch.Tensor, side: str, print_: int, full: dict | None,
+    def verdict(self, rows: torch.Tensor, side: str, fingerprint: int, full: dict | None,
                 ranks=None, expects: bool = True, shape=None) -> None:
         """Raise, the same on every rank, if the header of any rank of ``ranks`` (default:
         both grids') shows a problem. ``full``: the call's sizes, for what each rank
@@ -580,7 +581,7 @@ class Guard:
             mine: Any = shape if r == self.rank else "(its own)"
             return Expect(mine, self.dtype, self.device, what)
 
-        problems = Header.problems(listed, ranks, print_, {r: expect(r) for r in ranks})
+        problems = Header.problems(listed, ranks, fingerprint, {r: expect(r) for r in ranks})
         if problems:
             raise MimoFxError(self.context + "the call does not match on every rank:\n  "
                               + "\n  ".join(problems))

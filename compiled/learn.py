@@ -52,12 +52,12 @@ class Record:
         return HEADER_LEN
 
     @staticmethod
-    def encode(x: torch.Tensor | None, ndim: int, print_: int) -> list[Any]:
+    def encode(x: torch.Tensor | None, ndim: int, fingerprint: int) -> list[Any]:
         if not isinstance(x, torch.Tensor):
-            record = [MAGIC_SIZES, print_, 0, 0] + [0] * ndim
+            record = [MAGIC_SIZES, fingerprint, 0, 0] + [0] * ndim
         else:
             shape = list(x.shape)[:ndim] + [0] * max(0, ndim - x.dim())
-            record = [MAGIC_SIZES, print_, 1 + x.dim(), dtype_code(x.dtype), *shape]
+            record = [MAGIC_SIZES, fingerprint, 1 + x.dim(), dtype_code(x.dtype), *shape]
         return record + [0] * (HEADER_LEN - len(record))
 
 
@@ -106,7 +106,7 @@ def _holder_rows(ranks: tuple[int, ...], src: Layout) -> list[int]:
 
 
 def learn_sizes(records: torch.Tensor | list, ranks: tuple[int, ...], src: Layout, given: dict,
-                print_: int, dtype: torch.dtype, context: str) -> dict:
+                fingerprint: int, dtype: torch.dtype, context: str) -> dict:
     """Every dim's size from the gathered ``records`` (a table, one record per rank of
     ``ranks``), ``given`` first. Eagerly a bad record raises :class:`MimoFxError` on every
     rank, naming the rank."""
@@ -117,7 +117,7 @@ def learn_sizes(records: torch.Tensor | list, ranks: tuple[int, ...], src: Layou
         shapes = holder_shapes(records, ranks, src, ndim)
     else:
         listed = records if isinstance(records, list) else records.view(len(ranks), -1).tolist()
-        problems = _record_problems(listed, ranks, src, print_, ndim, dtype)
+        problems = _record_problems(listed, ranks, src, fingerprint, ndim, dtype)
         if problems:
             raise MimoFxError(context + "the size gather found:\n  " + "\n  ".join(problems))
         shapes = {r: tuple(record[HEADER:HEADER + ndim]) for r, record in zip(ranks, listed)
@@ -154,7 +154,7 @@ def _wrong_shapes(src: Layout, shapes: dict, sizes: dict) -> list[str]:
     return out
 
 
-def _record_problems(records, ranks, src: Layout, print_: int, ndim: int,
+def _record_problems(records, ranks, src: Layout, fingerprint: int, ndim: int,
                   dtype: torch.dtype) -> list[str]:
     split = calls_differ(records, ranks, "layouts, dtype, options, or the sizes or batch a "
                          "call gives", MAGIC_SIZES)

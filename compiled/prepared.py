@@ -45,7 +45,7 @@ from mimo_fx.vjp import apply
 from . import live, timeouts
 from .agree import agree
 from .definition import Definition
-from .executor import CompiledExecutor, Numbers
+from .executor import CompiledExecutor, NumbersAt
 from .frozen import Freeze
 from .groups import CHECK
 from .guard import Guard, fingerprint
@@ -107,7 +107,7 @@ class Prepared:
         self.guard = Guard(src, dst, self.rank, self.union, opts.dtype, self.device,
                            opts.checked, check_comm, d.fingerprint_key, self.context, self.name,
                            self.sizing.shape)
-        self.sizing.print_ = self.guard.prints["src"]
+        self.sizing.fingerprint = self.guard.fingerprints["src"]
         if opts.checked and check_comm is not None:
             self.executor.check = self._check_backward
         self.gather, self.kept = SizeGather(self, check_comm), Kept(self)
@@ -195,11 +195,11 @@ class Prepared:
             raise
         shape = fwd.src_shape
         if env is not None and shape is not None:
-            shape = Numbers(dict(zip(sizing.variables, env))).all(shape)
-        print_ = None  # what checked mode compares: with the sizes if free
+            shape = NumbersAt(dict(zip(sizing.variables, env))).all(shape)
+        checked_fingerprint = None  # what checked mode compares: with the sizes if free
         if sizing.free and self.options.checked and not torch.compiler.is_compiling():
-            print_ = fingerprint("src", *self.guard.key, _size_key(full))
-        if not self.guard(x, "src", shape, full, print_, grad, digest):
+            checked_fingerprint = fingerprint("src", *self.guard.key, _size_key(full))
+        if not self.guard(x, "src", shape, full, checked_fingerprint, grad, digest):
             # (compiled, checked: the check raises on every rank when the graph runs)
             return self.no_src.new_zeros((0,) * len(self.dst.local_dims))
         if x is not None and (self.moves_nothing or (

@@ -115,7 +115,7 @@ class RowSizing(CallSizes):
             self.union, self.features, src.holds(rank), dst.holds(rank))
         lowering.prime((self.fwd_program, self.bwd_program))  # (numbers a trace evaluates)
         straight.attach(self.fwd_program, self.bwd_program)
-        self.print_ = 0
+        self.fingerprint = 0
         self._plans: OrderedDict[tuple, Any] = OrderedDict()
         self._last = (src, dst)  # the batch of the last eager call
         self.name = ""  # its bridge's (see .live), set by the bridge
@@ -167,7 +167,7 @@ class RowSizing(CallSizes):
     def size_values(self, x) -> list:
         from .learn import Record
 
-        return Record.encode(x, 1 + len(self.features), self.print_)
+        return Record.encode(x, 1 + len(self.features), self.fingerprint)
 
     def sizes_from(self, rows: torch.Tensor | list, known: dict, ranks=None) -> dict:
         """The sizes the src holders' shapes show (see :mod:`.learn`): a box src's every
@@ -177,7 +177,7 @@ class RowSizing(CallSizes):
         ranks = ranks or self.union
         table = rows if isinstance(rows, list) else rows.view(len(ranks), -1)
         return self.sides[0].sizes_shown(
-            lambda: learn_sizes(table, ranks, self.src, known, self.print_, self.dtype,
+            lambda: learn_sizes(table, ranks, self.src, known, self.fingerprint, self.dtype,
                                 self.context),
             lambda: self._features(table, known, ranks))
 

@@ -103,7 +103,7 @@ class CallSizes:
     fwd_program: Any
     bwd_program: Any
     template: Template | None
-    print_: int
+    fingerprint: int
     name: str
 
     @property
@@ -241,7 +241,7 @@ class Sizing(CallSizes):
                  grad_partial: tuple[str, ...], rank: int, context: str) -> None:
         self.src, self.dst, self.dtype, self.rank = src, dst, dtype, rank
         self.context = context
-        self.print_ = 0  # the bridge's fingerprint, which size records carry (set by it)
+        self.fingerprint = 0  # the bridge's fingerprint, which size records carry (set by it)
         self.fixed = size_arguments(src, dst, fixed, {}, "Redistributor", ()) if fixed else {}
         self.free = tuple(d for d in src.dims if d not in self.fixed)
         self.adjoint = backward_layouts(src, dst, grad_partial)
@@ -320,13 +320,13 @@ class Sizing(CallSizes):
     def size_values(self, x) -> list:
         from .learn import Record
 
-        return Record.encode(x, len(self.src.local_dims), self.print_)
+        return Record.encode(x, len(self.src.local_dims), self.fingerprint)
 
     def sizes_from(self, rows: torch.Tensor | list, known: dict, ranks=None) -> dict:
         from .learn import learn_sizes
 
         return learn_sizes(rows, ranks or self.union, self.src, known,
-                           self.print_, self.dtype, self.context)
+                           self.fingerprint, self.dtype, self.context)
 
     # -- programs ------------------------------------------------------------------------
     def programs(self, full: dict, learned: frozenset, x=None, src=None,
