@@ -32,6 +32,9 @@ Two counts, each a property of the code's structure rather than of one spelling:
   constant (a tiling asking which cut it has, where the cut's type should answer).
 - **Docstrings longer than their function**: functions and methods whose docstring has
   more lines than the rest of their body (each listed with its lines).
+- **Identities parsed back**: each call of ``split``/``rsplit``/``partition``/``rpartition``
+  whose separator is ``"|"``: a string that joined a bridge's name with other fields (a
+  collective's site, an op's argument) read back into them.
 - **The bridge handle**: the lines of class ``Redistributor``, the attributes its
   methods set (``self.x = ...``, by name) and its methods; and every object made to
   share another's state (an assignment to an ``__dict__``: a twin handle).
@@ -270,6 +273,15 @@ def long_docstrings(path: Path) -> list[tuple[int, str, int, int]]:
     return out
 
 
+def parsed_identities(path: Path) -> list[int]:
+    """Lines splitting a string at ``"|"`` (an identity joined into a string, read back)."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("split", "rsplit", "partition", "rpartition")
+            and node.args and isinstance(node.args[0], ast.Constant)
+            and node.args[0].value == "|"]
+
+
 def class_size(path: Path, name: str) -> tuple[int, int, int] | None:
     """(lines, attributes its methods set, methods) of class ``name`` in ``path``."""
     for node in ast.parse(path.read_text()).body:
@@ -296,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="the counts only")
     args = parser.parse_args(argv)
     state, rows, made, registering, docs, growing, rules = [], [], [], {}, [], [], []
-    handle, twins = None, []
+    handle, twins, parsed = None, [], []
     for path in _files():
         rel = path.relative_to(ROOT).as_posix()
         state += [(rel, line, name) for line, name in module_state(path)]
@@ -309,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         rules += [(rel, line) for line in rule_branches(path)]
         handle = handle or class_size(path, "Redistributor")
         twins += [(rel, line) for line in shared_states(path)]
+        parsed += [(rel, line) for line in parsed_identities(path)]
         if rel not in LAYOUT_MODULES:
             rows += [(rel, line, what) for line, what in row_cases(path)]
     print(f"module-level mutable state: {len(state)} names in "
@@ -324,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     lines, attributes, methods = handle or (0, 0, 0)
     print(f"Redistributor: {lines} lines, {attributes} attributes, {methods} methods; "
           f"objects sharing another's state: {len(twins)}")
+    print(f"identities parsed back from a string (split at '|'): {len(parsed)}")
     if not args.quiet:
         print("\nmodule-level state that only grows (filled, never emptied):")
         for rel, line, name in growing:
@@ -335,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {rel}: registers at lines {', '.join(map(str, lines))}")
         print("\ncut rules compared with a string:")
         for rel, line in rules:
+            print(f"  {rel}:{line}")
+        print("\nidentities parsed back from a string:")
+        for rel, line in parsed:
             print(f"  {rel}:{line}")
         print("\nobjects sharing another's state:")
         for rel, line in twins:

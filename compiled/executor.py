@@ -192,8 +192,7 @@ class CompiledExecutor:
         comm, wire = self.comms[direction], self.wires[direction]
         straight = program.straight
         if straight is not None:
-            prefix = f"{self.name}|{direction}|" if self.name else ""
-            return (straight.run(local, env, inputs, comm, prefix, wire),)
+            return (straight.run(local, env, inputs, comm, self.name, direction, wire),)
         num = AS_WRITTEN if env is None else NumbersAt(env)
         entries = [_canonical(local, program, num)]
         for i, op in enumerate(program.ops):

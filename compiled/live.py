@@ -4,8 +4,8 @@ A bridge's state -- its groups, guard, sizing, call counters, description, its
 source-only results -- lives on its prepared bridge (:class:`.prepared.Prepared`). Code
 that meets only a bridge's name finds it here: a compiled call (which must reach its
 bridge through a global, see :func:`find`), a compiled graph's size gather (its op takes
-the name, a constant), a collective's completion or failure (its site string begins with
-the name, see :mod:`.timeouts`) and :func:`mimo_fx.joined` (every bridge's source-only
+the name, a constant), a collective's completion or failure (the record of its site names
+the bridge, see :mod:`.timeouts`) and :func:`mimo_fx.joined` (every bridge's source-only
 results). The bridges :func:`mimo_fx.compiled.prepare` makes for the functional API are
 kept here too, by their definition (:func:`prepared`).
 

@@ -97,7 +97,7 @@ class Prepared:
             agree(self.name, d.fields(self.device.type), "mimo_fx", self.union)
         self.lease = self._lease()
         self.source_only = self.involved and not dst.holds(self.rank)
-        self.described, self.ran = self.context.rstrip(": "), Counter[str]()  # (timeouts)
+        self.described, self.ran = self.context.rstrip(": "), Counter[timeouts.Site]()  # (timeouts)
         live.register(self.name, self)
         fwd, bwd = self.lease.comm(f"{self.name} >"), self.lease.comm(f"{self.name} <")
         self.executor = CompiledExecutor(fwd, opts.comm_dtype, bwd, self.name, opts.wires())

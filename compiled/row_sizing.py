@@ -212,7 +212,7 @@ class RowSizing(CallSizes):
             # call's sizes: read as one int), and how they read back
             flat, spec = flat_sizes({d: full.get(d, 0) for d in self.row_dims})
             s_side, d_side = self._call_sides(src, dst)
-            index, counts = _route_op(f"{self.name}|{spec}", s_side.batch_data(flat),
+            index, counts = _route_op(self.name, spec, s_side.batch_data(flat),
                                       d_side.batch_data(flat))
             values = counts.tolist()
             digest = values.pop()
@@ -299,9 +299,8 @@ class RowSizing(CallSizes):
 _OUTPUTS = len(ROUTE_INDEX) + 1
 
 
-def _route_impl(src_data: torch.Tensor, dst_data: torch.Tensor, bridge: str):
-    name, _, spec = bridge.rpartition("|")  # (a name may hold "|"; a spec never does)
-    sizing = named(name).sizing
+def _route_impl(src_data: torch.Tensor, dst_data: torch.Tensor, bridge: str, spec: str):
+    sizing = named(bridge).sizing
     src_values, dst_values = src_data.tolist(), dst_data.tolist()
     src, s_sizes = sizing.sides[0].from_batch(src_values, read_sizes(src_values, spec))
     dst, d_sizes = sizing.sides[1].from_batch(dst_values, read_sizes(dst_values, spec))
@@ -311,21 +310,21 @@ def _route_impl(src_data: torch.Tensor, dst_data: torch.Tensor, bridge: str):
     return (*(t.clone() for t in index), counts)
 
 
-def _route_fake(src_data, dst_data, bridge: str):
+def _route_fake(src_data, dst_data, bridge: str, spec: str):
     ctx = torch.library.get_ctx()
-    bridge_ = named(bridge.rpartition("|")[0])
+    bridge_ = named(bridge)
     index = [torch.empty((ctx.new_dynamic_size(),), dtype=torch.int64,
                          device=bridge_.sizing.device) for _ in ROUTE_INDEX]
     n = len(bridge_.union)
     return (*index, src_data.new_empty((4 * n + 4,)))  # the counts, then the digest
 
 
-_ROUTE = define("route(Tensor src_data, Tensor dst_data, str bridge) -> ("
+_ROUTE = define("route(Tensor src_data, Tensor dst_data, str bridge, str spec) -> ("
                 + ", ".join(["Tensor"] * _OUTPUTS) + ")", _route_impl, _route_fake)
 
 
-def _route_op(bridge: str, src_data: torch.Tensor, dst_data: torch.Tensor):
-    out = _ROUTE(src_data, dst_data, bridge)
+def _route_op(bridge: str, spec: str, src_data: torch.Tensor, dst_data: torch.Tensor):
+    out = _ROUTE(src_data, dst_data, bridge, spec)
     index = tuple(out[:-1])
     for t in index:
         torch._check(t.shape[0] >= 0)

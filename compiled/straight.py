@@ -27,6 +27,7 @@ from mimo_fx.symbolic import Expr
 
 from .executor import add_at, take
 from .lowering import AddAt, Cat, Node, Op, Program, Scatter, Take, View
+from .timeouts import at
 
 __all__ = ["Straight", "attach", "source"]
 
@@ -140,11 +141,12 @@ class _Writer:
 
 
 def source(program: Program) -> tuple[str, dict[str, Any]]:
-    """The source of ``program``'s function ``run(local, env, inputs, comm, prefix,
-    wire)`` and the constants it reads: ``local`` this rank's src piece, ``env`` a
-    template's size variables (None for a plain program), ``inputs`` a row program's
-    index vectors, ``comm`` the direction's comm, ``prefix`` its collectives' site before
-    the op's index (empty: unnamed), ``wire`` the dtype data moves in (None: its own)."""
+    """The source of ``program``'s function ``run(local, env, inputs, comm, name,
+    direction, wire)`` and the constants it reads: ``local`` this rank's src piece,
+    ``env`` a template's size variables (None for a plain program), ``inputs`` a row
+    program's index vectors, ``comm`` the direction's comm, ``name`` and ``direction``
+    its collectives' sites' (:func:`.timeouts.at`; empty name: unnamed), ``wire`` the
+    dtype data moves in (None: its own)."""
     w = _Writer()
     w.body.append("e0 = local")
     if program.src_expand is not None:
@@ -155,7 +157,7 @@ def source(program: Program) -> tuple[str, dict[str, Any]]:
     for i, op in enumerate(program.ops):
         w.body.append(f"flat = {w.pack(op)}")
         w.body.append("if wire is not None:\n        flat = flat.to(wire)")
-        site = f'prefix + "{i}|{op.ranks_text}" if prefix else ""'
+        site = f'at(name, direction, {i}, "{op.ranks_text}") if name else ""'
         w.body.append(f"flat = comm.collective({w.const(op.kind)}, flat, {op.ranks!r}, "
                       f"{w.nums(op.out_splits)}, {w.nums(op.in_splits)}, {site})")
         w.body.append("if wire is not None:\n        flat = flat.to(local.dtype)")
@@ -169,7 +171,7 @@ def source(program: Program) -> tuple[str, dict[str, Any]]:
                               f".view({w.nums(shape)})")
             entries += 1
     w.body.extend(_output(w, program))
-    lines = ["def run(local, env, inputs, comm, prefix, wire):"]
+    lines = ["def run(local, env, inputs, comm, name, direction, wire):"]
     lines += [f"    {s}" for s in w.head + w.body]
     return "\n".join(lines) + "\n", w.consts
 
@@ -189,6 +191,7 @@ def _output(w: _Writer, program: Program) -> list[str]:
 
 def _function(program: Program):
     text, consts = source(program)
-    scope: dict[str, Any] = {"torch": torch, "take": take, "add_at": add_at, **consts}
+    scope: dict[str, Any] = {"torch": torch, "take": take, "add_at": add_at, "at": at,
+                             **consts}
     exec(compile(text, "<mimo_fx program>", "exec"), scope)
     return scope["run"]

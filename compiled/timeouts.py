@@ -19,12 +19,16 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
 
 from mimo_fx.errors import MimoFxError
 
 from .live import find
 
-__all__ = ["timeout_seconds", "wait_time", "cause", "ENV", "DEFAULT", "site", "ran",
+__all__ = ["timeout_seconds", "wait_time", "cause", "ENV", "DEFAULT", "Site", "SITES",
+           "site", "at", "ran",
            "failed", "calls", "waiting", "NOTICE_ENV"]
 
 ENV = "MIMO_FX_TIMEOUT"
@@ -81,14 +85,29 @@ def cause(err: BaseException) -> str:
 
 
 # -- where a collective was issued: a bridge, a direction, an op of its program ------------
-# A site names its bridge first; the bridge (found by name in the one registry,
-# :mod:`.live`) keeps what errors call it (``described``), whether this rank
-# holds no dst piece of it (``source_only``: its backward runs in ``mimo_fx.backward()``)
-# and how many times each of its sites' collectives completed (``ran``).
+# A collective's custom op carries its site as one string (an op's schema takes no
+# objects), which is never read back: :func:`at` records what each site names, a
+# :class:`Site`, under its text in :data:`SITES` when the text is made (eagerly, or once
+# while tracing: Dynamo runs :func:`at` then and keeps the text as a constant). The
+# bridge a site names (found by name in the one registry, :mod:`.live`) keeps what
+# errors call it (``described``), whether this rank holds no dst piece of it
+# (``source_only``: its backward runs in ``mimo_fx.backward()``) and how many times each
+# of its sites' collectives completed (``ran``).
 
 
-def _bridge(site_: str):
-    return find(site_.rsplit("|", 3)[0])
+class Site(NamedTuple):
+    """What a site names: op number ``op`` of bridge ``bridge``'s ``direction`` program,
+    run over ``ranks`` (as text)."""
+
+    bridge: str
+    direction: str
+    op: int
+    ranks: str
+
+
+SITES: dict[str, Site] = {}  # every site text this process made -> what it names
+SITES_KEPT = 1 << 16  # (the oldest go first beyond this many: a text names its bridge's
+#                        op for as long as the bridge lives, and bridges come and go)
 
 
 def site(name: str, direction: str, index: int, ranks: tuple[int, ...]) -> str:
@@ -96,18 +115,33 @@ def site(name: str, direction: str, index: int, ranks: tuple[int, ...]) -> str:
     return at(name, direction, index, ",".join(map(str, ranks)))
 
 
+@torch.compiler.assume_constant_result
 def at(name: str, direction: str, index: int, ranks_text: str) -> str:
-    """:func:`site` with its ranks as text (a traced call's: no join for Dynamo to trace)."""
-    return f"{name}|{direction}|{index}|{ranks_text}"
+    """:func:`site` with its ranks as text (a traced call's: no join for Dynamo to trace;
+    Dynamo runs it while tracing and keeps its text)."""
+    text = f"{name}|{direction}|{index}|{ranks_text}"
+    if text not in SITES:
+        if len(SITES) >= SITES_KEPT:
+            del SITES[next(iter(SITES))]
+        SITES[text] = Site(name, direction, index, ranks_text)
+    return text
+
+
+def _named(site_: str) -> tuple[Site | None, Any]:
+    """What ``site_`` names, and its bridge (None for either where unknown)."""
+    where = SITES.get(site_) if site_ else None
+    return where, (None if where is None else find(where.bridge))
 
 
 def ran(site_: str) -> None:
     """A collective of ``site_`` completed (counted where it runs, eager or compiled, on
     its bridge)."""
     if site_:
-        bridge = _bridge(site_)
-        if bridge is not None:
-            bridge.ran[site_] += 1
+        where = SITES.get(site_)
+        if where is not None:
+            bridge = find(where.bridge)
+            if bridge is not None:
+                bridge.ran[where] += 1
 
 
 def calls(name: str, direction: str) -> int:
@@ -116,8 +150,8 @@ def calls(name: str, direction: str) -> int:
     bridge = find(name)
     if bridge is None:
         return 0
-    first = f"{name}|{direction}|0|"
-    return sum(n for s, n in bridge.ran.items() if s.startswith(first))
+    return sum(n for where, n in bridge.ran.items()
+               if where.direction == direction and where.op == 0)
 
 
 def failed(site_: str, kind, err: BaseException, peer: int | None = None) -> MimoFxError:
@@ -128,13 +162,13 @@ def failed(site_: str, kind, err: BaseException, peer: int | None = None) -> Mim
         peer = getattr(err, "peer", None)
     gone = any(m in str(err) for m in ("closed by peer", "reset by peer", "Broken pipe",
                                        "Connection closed"))
-    if not site_:
+    where, bridge = _named(site_)
+    if where is None:
         return MimoFxError(f"a mimo_fx {kind} failed" + (
             "" if peer is None else f" (rank {peer} left)" if gone else
             f" waiting for rank {peer}") + f" ({cause(err)})")
-    name, direction, _, ranks = site_.rsplit("|", 3)  # (a name may hold "|")
-    bridge = _bridge(site_)
-    n = (0 if bridge is None else bridge.ran[site_]) + 1
+    name, direction, ranks = where.bridge, where.direction, where.ranks
+    n = (0 if bridge is None else bridge.ran[where]) + 1
     why = ("a rank of the group left" + ("" if peer is None else f": rank {peer}") +
            " (it raised, or its process ended: its own error says why)" if gone else
            "a rank skipped this call or the backward of an earlier one, or called another "
@@ -248,11 +282,10 @@ def described(site_: str, kind, peers: Callable[[], list[int]] | None = None) ->
         pending = peers()
         if pending:
             who = f" rank {pending[0]}" if len(pending) == 1 else f" ranks {pending}"
-    if not site_:
+    where, bridge = _named(site_)
+    if where is None:
         return f"a mimo_fx {getattr(kind, 'value', kind)}" + (f" ({who.strip()})" if who else "")
-    name, direction, _, ranks = site_.rsplit("|", 3)
-    bridge = _bridge(site_)
-    n = (0 if bridge is None else bridge.ran[site_]) + 1
-    what = name if bridge is None else bridge.described
-    return (f"{who.strip() or 'its peers'} in the {direction} of call {n} of {what} "
-            f"({getattr(kind, 'value', kind)} over ranks {ranks})")
+    n = (0 if bridge is None else bridge.ran[where]) + 1
+    what = where.bridge if bridge is None else bridge.described
+    return (f"{who.strip() or 'its peers'} in the {where.direction} of call {n} of {what} "
+            f"({getattr(kind, 'value', kind)} over ranks {where.ranks})")

@@ -75,7 +75,7 @@ class StraightExecutor(CompiledExecutor):
     def run(self, program, tensors, env=None, inputs=(), *, direction="forward"):
         straight.attach(program)
         return (program.straight.run(tensors[0], env, inputs, self.comms[direction], "",
-                                     self.comm_dtype),)
+                                     direction, self.comm_dtype),)
 
 
 EXECUTORS = {"interpreted": CompiledExecutor, "straight": StraightExecutor}

@@ -1111,6 +1111,26 @@ def test_a_comm_dtype_that_keeps_values_or_lowers_float_precision_is_taken(dtype
     assert Options(dtype, (), wire).comm_dtype == wire
 
 
+def test_a_site_is_recorded_when_made_and_never_read_back(monkeypatch):
+    # a site's text is a key: what it names comes from the record made with it, so a
+    # text no one made names nothing (the plain error), and the records are bounded
+    from mimo_fx import Collective
+    from mimo_fx.compiled import timeouts
+
+    forged = "enc|backward|0|0,1"
+    assert forged not in timeouts.SITES
+    err = timeouts.failed(forged, Collective.ALL_TO_ALL, RuntimeError("boom"))
+    assert str(err).startswith("a mimo_fx "), str(err)
+    site = timeouts.at("enc", "backward", 0, "0,1")
+    assert timeouts.SITES[site] == timeouts.Site("enc", "backward", 0, "0,1")
+    assert "backward of call 1" in str(timeouts.failed(site, Collective.ALL_TO_ALL,
+                                                       RuntimeError("boom")))
+    monkeypatch.setattr(timeouts, "SITES", {})
+    monkeypatch.setattr(timeouts, "SITES_KEPT", 4)
+    texts = [timeouts.at("b", "forward", i, "0") for i in range(6)]
+    assert list(timeouts.SITES) == texts[2:]
+
+
 def test_a_failed_wait_names_a_bridge_whose_name_holds_the_site_separator():
     # a site is "name|direction|op|ranks"; a user's bridge name may hold "|" itself
     from mimo_fx import Collective

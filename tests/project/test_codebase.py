@@ -188,6 +188,9 @@ def test_the_structure_counter_counts_what_it_says(tmp_path):
     assert structure.long_docstrings(ops) == []  # (as long as its body: not counted)
     ops.write_text("def g(x):\n    '''One\n    two\n    three.'''\n    y = x\n    return y\n")
     assert structure.long_docstrings(ops) == [(1, "g", 3, 2)]
+    ops.write_text("def h(site, t):\n    a = site.rsplit('|', 3)\n    b = t.split(',')\n"
+                   "    return a, b, site.rpartition('|')\n")
+    assert structure.parsed_identities(ops) == [2, 4]
     state = tmp_path / "state.py"
     state.write_text(
         "_A = {}\n_B = {}\n_C = []\n"
