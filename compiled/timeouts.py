@@ -136,12 +136,9 @@ def _named(site_: str) -> tuple[Site | None, Any]:
 def ran(site_: str) -> None:
     """A collective of ``site_`` completed (counted where it runs, eager or compiled, on
     its bridge)."""
-    if site_:
-        where = SITES.get(site_)
-        if where is not None:
-            bridge = find(where.bridge)
-            if bridge is not None:
-                bridge.ran[where] += 1
+    where, bridge = _named(site_)
+    if bridge is not None:
+        bridge.ran[where] += 1
 
 
 def calls(name: str, direction: str) -> int:
